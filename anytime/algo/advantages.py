@@ -1,0 +1,175 @@
+"""Advantage estimators: BRPO (paper eq. 6-9) for thinking tokens, the per-prefix summary
+baseline (§2.3), and the usual trace-level baselines (GRPO, Dr.GRPO, RLOO), in one registry.
+
+Shapes: G traces per prompt, S budgets, A summaries per budget. Thinking estimators map
+`scores [B, G, S]` (mean summary score of trace g at budget j) and the prior `probs [S]` to the
+advantage of each budget *segment* `[B, G, S]`: every thinking token in (b_{j-1}, b_j] gets
+entry j. Summary estimators map `[B, G, S, A]` scores to `[B, G, S, A]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+BRPO_VARIANTS = ("brpo", "v1only", "v2only", "none")
+
+
+def _as_tensor(x: torch.Tensor | Sequence, like: torch.Tensor | None = None) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64 if like is None else like.dtype)
+    return t if like is None else t.to(like.device)
+
+
+def returns_to_go(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """R[..., s] = Σ_{j ≥ s} P_j r_j (eq. 6)."""
+    weighted = scores * probs
+    return weighted.flip(-1).cumsum(-1).flip(-1)
+
+
+def brpo_advantages(scores: torch.Tensor, probs: torch.Tensor | Sequence[float], decay: float = 0.5,
+                    variant: str = "brpo") -> torch.Tensor:
+    """Budget-relative advantages of the thinking segments, `[G, S]` or `[B, G, S]`.
+
+    V1 (the trace's own progress) is a λ-discounted mean of its earlier budget scores times the
+    remaining prior mass; V2 is the group mean return (self included); the baseline moves from V2
+    to V1 as the segment index grows: V = (s·V1 + (S−s)·V2) / S. No std normalisation (Dr.GRPO).
+    """
+    if variant not in BRPO_VARIANTS:
+        raise ValueError(f"unknown BRPO variant {variant!r}; choose one of {', '.join(BRPO_VARIANTS)}")
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay (λ) must be in (0, 1], got {decay}")
+    scores = torch.as_tensor(scores)
+    if not scores.is_floating_point():
+        scores = scores.double()
+    if scores.dim() not in (2, 3):
+        raise ValueError(f"scores must be [G, S] or [B, G, S], got shape {tuple(scores.shape)}")
+    probs = _as_tensor(probs, scores)
+    S = scores.shape[-1]
+    if probs.shape != (S,):
+        raise ValueError(f"probs must have one entry per budget ({S}), got shape {tuple(probs.shape)}")
+    R = returns_to_go(scores, probs)
+    if variant == "none":
+        return R
+    V2 = R.mean(dim=-2, keepdim=True).expand_as(R)
+    if variant == "v2only":
+        return R - V2
+    # V1[g, s] = (Σ_{j<s} λ^{s-j} r_j / Σ_{j<s} λ^{s-j}) · Σ_{j≥s} P_j, and 0 for s = 0.
+    idx = torch.arange(S, device=scores.device)
+    exponent = (idx[:, None] - idx[None, :]).to(scores.dtype)  # [s, j] = s - j
+    weights = torch.where(idx[None, :] < idx[:, None], decay ** exponent, torch.zeros_like(exponent))
+    norm = weights.sum(-1).clamp_min(1e-30)
+    discounted = scores @ weights.T / norm  # [.., G, s]
+    remaining = probs.flip(0).cumsum(0).flip(0)
+    V1 = torch.where(idx == 0, torch.zeros_like(discounted), discounted * remaining)
+    if variant == "v1only":
+        return R - V1
+    s = idx.to(scores.dtype)
+    return R - (s * V1 + (S - s) * V2) / S
+
+
+def summary_advantages(scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
+    """Summary advantages `[G, S, A]` (or `[B, G, S, A]`): score minus the mean of the summaries that
+    share the same truncated prefix. `prefix_group [.., G, S]` gives budgets of one trace that share
+    one summary prompt (past the trace's natural end) the same id; by default every budget is its own
+    prefix. A prefix holding a single summary gets baseline 0; with A = 1 and no shared prefixes the
+    baseline is the mean over the G traces at the same budget (the paper code's fallback)."""
+    scores = torch.as_tensor(scores)
+    if not scores.is_floating_point():
+        scores = scores.double()
+    if scores.dim() not in (3, 4):
+        raise ValueError(f"scores must be [G, S, A] or [B, G, S, A], got shape {tuple(scores.shape)}")
+    A = scores.shape[-1]
+    if prefix_group is None:
+        if A == 1:
+            return scores - scores.mean(dim=-3, keepdim=True)
+        return scores - scores.mean(dim=-1, keepdim=True)
+    prefix_group = torch.as_tensor(prefix_group, device=scores.device)
+    if prefix_group.shape != scores.shape[:-1]:
+        raise ValueError(f"prefix_group must have shape {tuple(scores.shape[:-1])}, got {tuple(prefix_group.shape)}")
+    same = prefix_group[..., :, None] == prefix_group[..., None, :]  # [.., G, S, S]
+    sums = (same.to(scores.dtype) @ scores.sum(-1, keepdim=True)).squeeze(-1)  # [.., G, S]
+    counts = same.sum(-1).to(scores.dtype) * A
+    baseline = torch.where(counts > 1, sums / counts, torch.zeros_like(sums))
+    return scores - baseline[..., None]
+
+
+def summary_advantages_last_only(scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
+    """The GRPO baseline's summary training: only the last budget's summaries learn, against the
+    group mean over all G·A of them; other budgets get 0."""
+    scores = torch.as_tensor(scores)
+    if not scores.is_floating_point():
+        scores = scores.double()
+    last = scores[..., -1, :]
+    adv = torch.zeros_like(scores)
+    adv[..., -1, :] = last - last.mean(dim=(-2, -1), keepdim=True)
+    return adv
+
+
+def grpo_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """(r − group mean) / group std for `[G]` or `[B, G]`; `scale_by_std=False` is Dr.GRPO."""
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.double()
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    if not scale_by_std:
+        return centred
+    return centred / (rewards.std(dim=-1, keepdim=True, unbiased=True).nan_to_num(0.0) + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline: r_i − mean_{j≠i} r_j for `[G]` or `[B, G]` (G ≥ 2)."""
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.double()
+    G = rewards.shape[-1]
+    if G < 2:
+        raise ValueError("RLOO needs at least 2 samples per prompt")
+    others = (rewards.sum(dim=-1, keepdim=True) - rewards) / (G - 1)
+    return rewards - others
+
+
+# --- registries -------------------------------------------------------------------------------
+
+ThinkingEstimator = Callable[..., torch.Tensor]
+
+
+def _trace_level(fn: Callable[[torch.Tensor], torch.Tensor]) -> ThinkingEstimator:
+    """Lift a trace-level estimator to segments: the trace reward is the full prior-weighted return
+    R[:, 0] (with the `base` prior: the final-budget score), shared by every segment."""
+
+    def estimator(scores: torch.Tensor, probs: torch.Tensor, **_: object) -> torch.Tensor:
+        scores = torch.as_tensor(scores, dtype=torch.float64) if not torch.is_tensor(scores) else scores
+        total = returns_to_go(scores, _as_tensor(probs, scores))[..., 0]
+        return fn(total)[..., None].expand_as(scores).clone()
+
+    return estimator
+
+
+def _brpo(scores: torch.Tensor, probs: torch.Tensor, decay: float = 0.5, variant: str = "brpo", **_: object) -> torch.Tensor:
+    return brpo_advantages(scores, probs, decay=decay, variant=variant)
+
+
+THINKING_ESTIMATORS: dict[str, ThinkingEstimator] = {
+    "brpo": _brpo,
+    "grpo": _trace_level(lambda r: grpo_advantages(r, scale_by_std=True)),
+    "dr_grpo": _trace_level(lambda r: grpo_advantages(r, scale_by_std=False)),
+    "rloo": _trace_level(rloo_advantages),
+}
+
+SUMMARY_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "brpo": summary_advantages,
+    "grpo": summary_advantages_last_only,
+}
+
+
+def thinking_advantages(name: str, scores: torch.Tensor, probs: Sequence[float] | torch.Tensor, **kwargs: object) -> torch.Tensor:
+    if name not in THINKING_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {', '.join(THINKING_ESTIMATORS)}")
+    return THINKING_ESTIMATORS[name](scores, probs, **kwargs)
+
+
+def summary_advantages_by_name(name: str, scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
+    if name not in SUMMARY_ESTIMATORS:
+        raise ValueError(f"unknown summary estimator {name!r}; choose one of {', '.join(SUMMARY_ESTIMATORS)}")
+    return SUMMARY_ESTIMATORS[name](scores, prefix_group)

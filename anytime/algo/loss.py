@@ -1,0 +1,99 @@
+"""Token-level PPO-clip policy loss with clip-higher, loss aggregation modes and optional KL.
+
+Aggregations (a registry, keyed by the recipe's `algorithm.loss_agg`):
+- `token-mean`: Σ loss·mask / Σ mask (DAPO);
+- `seq-mean-token-mean`: mean over rows of each row's token mean (original GRPO);
+- `constant`: Σ loss·mask / (rows × max_len), the Dr.GRPO / AnytimeReasoner normaliser
+  (verl's `just_mean` rescaled by mini-batch size), so long traces are not down-weighted.
+When a mini-batch is split into micro-batches, pass the mini-batch totals (`num_tokens`,
+`num_rows`) so the summed micro-batch gradients equal the mini-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+KL_TYPES = ("k1", "k3")
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+                max_len: int | None) -> torch.Tensor:
+    denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype)
+    return (x * mask).sum() / denom.clamp_min(1)
+
+
+def _seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+                         max_len: int | None) -> torch.Tensor:
+    per_row = (x * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+    rows = (mask.sum(-1) > 0).sum() if num_rows is None else torch.as_tensor(num_rows, dtype=x.dtype)
+    return per_row.sum() / rows.clamp_min(1)
+
+
+def _constant(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+              max_len: int | None) -> torch.Tensor:
+    rows = x.shape[0] if num_rows is None else num_rows
+    length = x.shape[-1] if max_len is None else max_len
+    return (x * mask).sum() / (rows * length)
+
+
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "constant": _constant,
+}
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str, *, num_tokens: float | None = None,
+              num_rows: float | None = None, max_len: int | None = None) -> torch.Tensor:
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return AGGREGATIONS[agg](x, mask.to(x.dtype), num_tokens, num_rows, max_len)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL(π‖π_ref) estimate: k1 = log π − log π_ref; k3 = e^{−k1} + k1 − 1 (non-negative)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_TYPES)}")
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
+                num_tokens: float | None = None, num_rows: float | None = None, max_len: int | None = None,
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k3",
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip loss over tokens `[rows, T]`; ratio clipped to [1 − clip_low, 1 + clip_high].
+
+    Returns the scalar loss and statistics (clip fraction, approx-KL to the old policy, KL to the
+    reference and entropy when given), each a token mean over `mask`.
+    """
+    mask = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_rows=num_rows, max_len=max_len)
+    count = mask.sum().clamp_min(1)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": float(((clipped > unclipped).to(mask.dtype) * mask).sum() / count),
+            "approx_kl": float((0.5 * log_ratio.pow(2) * mask).sum() / count),
+            "ratio_mean": float((ratio * mask).sum() / count),
+            "tokens": float(mask.sum()),
+        }
+    if ref_logprobs is not None and kl_coef != 0.0:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_type)
+        loss = loss + kl_coef * aggregate(kl, mask, agg, num_tokens=num_tokens, num_rows=num_rows, max_len=max_len)
+        stats["kl_ref"] = float((kl.detach() * mask).sum() / count)
+    if entropy is not None:
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, num_rows=num_rows,
+                                                   max_len=max_len)
+        stats["entropy"] = float((entropy.detach() * mask).sum() / count)
+    return loss, stats

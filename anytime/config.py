@@ -1,0 +1,402 @@
+"""The recipe: a typed schema for a whole run, loaded from YAML with dotted overrides.
+
+Defaults are the paper's values (AnytimeReasoner, R1-Distill-Qwen-1.5B, 8k thinking). Every
+problem with a recipe is raised as `RecipeError` naming the key path and what is allowed; the CLI
+prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from anytime.budget import even_grid, prior_probs
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"   # hub name or local folder
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "bfloat16"
+    trust_remote_code: bool = False
+    # Build a random tiny model at `path` first when the folder does not exist (CPU quickstart).
+    tiny: bool = False
+    tiny_hidden_size: int = 128
+    tiny_layers: int = 2
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = "agentica-org/DeepScaleR-Preview-Dataset"  # hub name, local json/jsonl/parquet, or "synthetic"
+    split: str = "train"
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
+    max_prompt_len: int = 1024
+    shuffle: bool = True
+    limit: int | None = None          # use only the first N rows (after shuffling)
+    synthetic_size: int = 4000        # rows of the synthetic task (data.train: synthetic)
+    synthetic_min_ops: int = 3
+    synthetic_max_ops: int = 6
+    synthetic_filler: float = 0.5     # chance of a filler line before each step in the SFT traces
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "vllm"
+    n: int = 8                          # G thinking traces per prompt
+    prompts_per_step: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int | None = None    # default: prompt + thinking + summary
+    gpu_memory_utilization: float = 0.6
+    enable_sleep: bool = False
+
+
+@dataclass
+class BudgetConfig:
+    max_thinking: int = 8000
+    num_budgets: int = 4                # evenly spaced up to max_thinking, unless `budgets` is given
+    budgets: list[int] | None = None
+    prior: Literal["base", "uniform", "linear", "explicit"] = "linear"
+    probs: list[float] | None = None    # for prior: explicit
+
+    def grid(self) -> list[int]:
+        return list(self.budgets) if self.budgets is not None else even_grid(self.max_thinking, self.num_budgets)
+
+    def prior_probs(self) -> list[float]:
+        return prior_probs(self.prior, self.grid(), self.probs)
+
+
+@dataclass
+class SummaryConfig:
+    n: int = 4                          # A summaries per budget
+    max_tokens: int = 118               # paper: 128 minus the ~10 inserted tokens
+    close_text: str = "\n\n...\n\n</think>"
+    header: str = "\n\n**Final Answer**\n"
+    think_end: str = "</think>"
+    temperature: float = 1.0
+    estimator: Literal["brpo", "grpo"] = "brpo"
+    loss_weight: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: Literal["brpo", "grpo", "dr_grpo", "rloo"] = "brpo"
+    variance_reduction: Literal["brpo", "v1only", "v2only", "none"] = "brpo"
+    decay: float = 0.5                  # λ of V1
+    thinking_loss_weight: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "constant"] = "constant"
+    kl_coef: float = 0.0
+    kl_type: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class PipelineConfig:
+    stages: int = 1
+    schedule: str = "zb-h1"
+    microbatches: int = 8
+    offload_chunks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LearnerConfig:
+    backend: Literal["torch", "deepspeed"] = "torch"
+    num_processes: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    mini_batch_prompts: int = 32
+    micro_batch_tokens: int = 16384
+    zero_stage: int = 2
+    bf16: bool = False
+    reference_model: bool = False       # needed only with algorithm.kl_coef > 0
+    deterministic: bool = False
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0                      # 0 = no supervised warm start
+    lr: float = 3e-3
+    batch_size: int = 32
+    warmup_steps: int = 20
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 630
+    seed: int = 0
+    output_dir: str = "runs/anytime"
+    save_every: int = 50
+    keep_last: int = 3
+    resume: str = "auto"                # auto | never | a checkpoint folder
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: bool = True
+    tensorboard: bool = True            # used when the tensorboard package is installed
+    wandb: bool = False
+    wandb_project: str = "anytime"
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 20                     # steps; 0 = only before and after training
+    budgets: list[int] | None = None    # default: the training grid
+    benchmarks: list[str] = field(default_factory=lambda: ["aime24", "amc22"])
+    data_dir: str | None = None         # local benchmark files instead of the hub
+    samples: int = 1
+    limit: int | None = None            # problems per benchmark
+    temperature: float = 0.6
+    top_p: float = 0.95
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    summary: SummaryConfig = field(default_factory=SummaryConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+# --- building from plain data -----------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key `{path}` must be a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except RecipeError:
+                continue
+        raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RecipeError(f"recipe key `{path}` must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean `{(prefix + '.' if prefix else '') + close[0]}`?" if close else ""
+            raise RecipeError(f"unknown recipe key `{path}`{hint} (allowed here: {', '.join(names)})")
+        kwargs[key] = _convert(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`rollout.n=8` → {"rollout": {"n": 8}}; the value is parsed as YAML (`[1, 2]`, `null`, `true`)."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} must look like key.path=value, e.g. rollout.n=8")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {text!r} has an empty key; write e.g. budget.prior=uniform")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file {str(path)!r} must hold a mapping of sections (model:, data:, ...)")
+    parent = data.pop("base", None)   # `base: other.yaml` inherits and overrides another recipe
+    if parent is not None:
+        parent_path = (path.parent / str(parent)).resolve()
+        if parent_path in seen:
+            raise RecipeError(f"recipe {str(path)!r}: `base` chain loops through {str(parent_path)!r}")
+        data = _merge(_load_yaml(parent_path, seen + (parent_path,)), data)
+    return data
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (or the defaults when `path` is None), apply dotted overrides, validate."""
+    data: dict[str, Any] = {} if path is None else _load_yaml(Path(path).resolve())
+    for text in overrides:
+        data = _merge(data, parse_override(text))
+    recipe = recipe_from_dict(data)
+    return recipe
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    recipe = _build(Recipe, data)
+    validate(recipe)
+    return recipe
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RecipeError(message)
+
+
+def validate(r: Recipe) -> None:
+    """Cross-field checks, each naming the key to change."""
+    b = r.budget
+    _require(b.max_thinking > 0, f"`budget.max_thinking` must be positive, got {b.max_thinking}")
+    _require(b.num_budgets > 0, f"`budget.num_budgets` must be positive, got {b.num_budgets}")
+    if b.budgets is not None:
+        _require(len(b.budgets) > 0, "`budget.budgets` is empty; list at least one budget or remove the key")
+        _require(all(x > 0 for x in b.budgets), f"`budget.budgets` must be positive token counts, got {b.budgets}")
+        _require(all(x < y for x, y in zip(b.budgets, b.budgets[1:])),
+                 f"`budget.budgets` must be strictly increasing, got {b.budgets}")
+        _require(b.budgets[-1] <= b.max_thinking,
+                 f"`budget.budgets` ends at {b.budgets[-1]}, above `budget.max_thinking` = {b.max_thinking}; "
+                 "raise max_thinking or lower the budgets")
+    else:
+        _require(b.num_budgets <= b.max_thinking,
+                 f"`budget.num_budgets` ({b.num_budgets}) cannot exceed `budget.max_thinking` ({b.max_thinking})")
+    if b.prior == "explicit":
+        _require(b.probs is not None, "`budget.prior: explicit` needs `budget.probs` (one probability per budget)")
+        n = len(b.grid())
+        _require(len(b.probs) == n, f"`budget.probs` has {len(b.probs)} entries but there are {n} budgets")
+        _require(all(p >= 0 for p in b.probs), f"`budget.probs` must be non-negative, got {b.probs}")
+        _require(abs(sum(b.probs) - 1.0) <= 1e-6, f"`budget.probs` must sum to 1, got {sum(b.probs):.6g}")
+    else:
+        _require(b.probs is None, f"`budget.probs` is only used with `budget.prior: explicit` (prior is {b.prior!r})")
+    for key, value in (("rollout.n", r.rollout.n), ("rollout.prompts_per_step", r.rollout.prompts_per_step),
+                       ("summary.n", r.summary.n), ("summary.max_tokens", r.summary.max_tokens),
+                       ("data.max_prompt_len", r.data.max_prompt_len), ("trainer.steps", r.trainer.steps),
+                       ("learner.ppo_epochs", r.learner.ppo_epochs),
+                       ("learner.mini_batch_prompts", r.learner.mini_batch_prompts),
+                       ("learner.micro_batch_tokens", r.learner.micro_batch_tokens),
+                       ("learner.num_processes", r.learner.num_processes),
+                       ("learner.pipeline.stages", r.learner.pipeline.stages),
+                       ("learner.pipeline.microbatches", r.learner.pipeline.microbatches),
+                       ("eval.samples", r.eval.samples)):
+        _require(value > 0, f"`{key}` must be a positive integer, got {value}")
+    _require(r.rollout.temperature > 0, f"`rollout.temperature` must be > 0, got {r.rollout.temperature}")
+    _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
+    _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")
+    _require(r.learner.grad_clip >= 0, f"`learner.grad_clip` must be >= 0 (0 disables clipping), got {r.learner.grad_clip}")
+    _require(r.learner.zero_stage in (0, 1, 2, 3), f"`learner.zero_stage` must be 0, 1, 2 or 3, got {r.learner.zero_stage}")
+    _require(len(r.learner.betas) == 2 and all(0 <= x < 1 for x in r.learner.betas),
+             f"`learner.betas` must be two numbers in [0, 1), got {r.learner.betas}")
+    _require(0 <= r.algorithm.clip_low < 1, f"`algorithm.clip_low` must be in [0, 1), got {r.algorithm.clip_low}")
+    _require(r.algorithm.clip_high >= 0, f"`algorithm.clip_high` must be >= 0, got {r.algorithm.clip_high}")
+    _require(0 < r.algorithm.decay <= 1, f"`algorithm.decay` (λ) must be in (0, 1], got {r.algorithm.decay}")
+    _require(r.algorithm.kl_coef == 0 or r.learner.reference_model,
+             "`algorithm.kl_coef` > 0 needs `learner.reference_model: true`")
+    _require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")
+    _require(r.summary.think_end in r.summary.close_text,
+             f"`summary.close_text` {r.summary.close_text!r} must contain `summary.think_end` {r.summary.think_end!r}")
+    _require(r.summary.header.strip() != "", "`summary.header` must not be blank; the verifier looks for it")
+    if r.rollout.max_model_len is not None:
+        need = r.data.max_prompt_len + b.max_thinking
+        _require(r.rollout.max_model_len >= need,
+                 f"`rollout.max_model_len` ({r.rollout.max_model_len}) is below max_prompt_len + max_thinking "
+                 f"({need}); raise it or lower `budget.max_thinking`")
+    if r.eval.budgets is not None:
+        ev = r.eval.budgets
+        _require(len(ev) > 0 and all(x > 0 for x in ev) and all(x < y for x, y in zip(ev, ev[1:])),
+                 f"`eval.budgets` must be positive and strictly increasing, got {ev}")
+        _require(ev[-1] <= b.max_thinking,
+                 f"`eval.budgets` ends at {ev[-1]}, above `budget.max_thinking` = {b.max_thinking}")
+    p = r.learner.pipeline
+    if p.stages > 1:
+        _require(p.microbatches >= p.stages,
+                 f"`learner.pipeline.microbatches` ({p.microbatches}) must be >= stages ({p.stages})")
+    _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
+             "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
+    _require(0 <= r.data.synthetic_filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {r.data.synthetic_filler}")

@@ -1,0 +1,67 @@
+"""A synthetic reasoning task for the CPU quickstart, where longer thinking really helps.
+
+Each problem is a chain of single-digit additions modulo 10 ("Start with 3. Add 7, add 2, add 9.
+What is the last digit?"). The reference thinking trace works through the chain one line per
+step ("3+7=0"), so a trace cut early has only a partial result: accuracy rises with the budget.
+Reference traces also carry filler lines ("hmm, let me check.") with a given probability, as
+verbose reasoning models do; a policy that learns to drop them reaches the answer at smaller
+budgets, which is exactly what the anytime objective rewards. Rows use the math data format
+(problem, answer) and the answer is graded by the same verifier.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+FILLER_LINES = ("hmm, let me check.", "wait, go on.", "ok, next one.")
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    start: int
+    operands: tuple[int, ...]
+
+    @property
+    def answer(self) -> int:
+        return (self.start + sum(self.operands)) % 10
+
+    @property
+    def problem(self) -> str:
+        adds = ", ".join(f"add {x}" for x in self.operands)
+        return f"Start with {self.start}. {adds[0].upper()}{adds[1:]}. What is the last digit of the result?"
+
+    def thinking(self, rng: random.Random | None = None, filler: float = 0.0) -> str:
+        """Reference reasoning: one line per step, each possibly preceded by a filler line."""
+        lines, value = [], self.start
+        for x in self.operands:
+            if rng is not None and rng.random() < filler:
+                lines.append(rng.choice(FILLER_LINES))
+            new = (value + x) % 10
+            lines.append(f"{value}+{x}={new}")
+            value = new
+        return "\n".join(lines) + "\n"
+
+
+def make_problems(size: int, seed: int, min_ops: int = 3, max_ops: int = 6) -> list[ChainProblem]:
+    if size <= 0 or min_ops < 1 or max_ops < min_ops:
+        raise ValueError(f"bad synthetic task sizes: size={size}, ops in [{min_ops}, {max_ops}]")
+    rng = random.Random(seed)
+    return [ChainProblem(rng.randrange(10), tuple(rng.randrange(1, 10) for _ in range(rng.randint(min_ops, max_ops))))
+            for _ in range(size)]
+
+
+def sft_completion(problem: ChainProblem, rng: random.Random, filler: float, think_end: str = "</think>",
+                   header: str = "\n\n**Final Answer**\n") -> str:
+    """The assistant text after the `<think>\\n` generation prompt: thinking, close, answer."""
+    return f"{problem.thinking(rng, filler)}{think_end}{header}\\boxed{{{problem.answer}}}"
+
+
+def corpus(size: int = 2000, seed: int = 12345) -> list[str]:
+    """Text to train the tiny model's tokenizer on: problems, traces, answers, instructions."""
+    rng = random.Random(seed)
+    texts = []
+    for p in make_problems(size, seed, 1, 8):
+        texts.append(p.problem + " Let's think step by step and output the final answer within \\boxed{}.")
+        texts.append(sft_completion(p, rng, 0.5) + "\n\n...\n\n")
+    return texts

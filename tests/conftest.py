@@ -1,0 +1,18 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def math_data_dir() -> Path:
+    path = Path(os.environ.get("ANYTIME_MATH_DATA", REPO.parent / "shared" / "data" / "math"))
+    if not path.is_dir():
+        pytest.skip(f"benchmark data not found at {path}")
+    return path

@@ -1,0 +1,102 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anytime.cli import main
+from anytime.config import Recipe, RecipeError, load_recipe, parse_override, recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))
+
+
+def test_defaults_are_the_papers():
+    r = Recipe()
+    assert r.budget.grid() == [2000, 4000, 6000, 8000]
+    assert r.rollout.n == 8 and r.summary.n == 4 and r.rollout.prompts_per_step == 64
+    assert r.algorithm.decay == 0.5 and r.algorithm.clip_low == 0.2 and r.algorithm.loss_agg == "constant"
+    assert r.learner.lr == 1e-6 and r.learner.grad_clip == 1.0 and r.learner.weight_decay == 0.01
+    assert r.summary.header == "\n\n**Final Answer**\n"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_shipped_recipe_resolves(path, capsys):
+    assert main(["config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "budgets:" in out
+    assert yaml.safe_load(out.split("# budgets")[0])["model"]["path"]
+
+
+def test_paper_recipes_set_the_five_knobs():
+    grpo = load_recipe(REPO / "recipes/paper/grpo.yaml")
+    assert (grpo.summary.n, grpo.summary.estimator, grpo.budget.grid(), grpo.budget.prior,
+            grpo.algorithm.variance_reduction) == (1, "grpo", [8000], "base", "v2only")
+    ar = load_recipe(REPO / "recipes/paper/ar_linear.yaml")
+    assert ar.budget.prior_probs() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert (ar.summary.n, ar.algorithm.variance_reduction) == (4, "brpo")
+
+
+def test_overrides():
+    r = load_recipe(None, ["rollout.n=16", "budget.prior=uniform", "budget.budgets=[100, 200]", "eval.limit=null"])
+    assert r.rollout.n == 16 and r.budget.prior_probs() == [0.5, 0.5] and r.eval.limit is None
+    assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
+
+
+def test_base_inheritance(tmp_path):
+    (tmp_path / "parent.yaml").write_text("rollout: {n: 3, temperature: 0.7}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nrollout: {n: 5}\n")
+    r = load_recipe(tmp_path / "child.yaml")
+    assert (r.rollout.n, r.rollout.temperature) == (5, 0.7)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(RecipeError, match="loops"):
+        load_recipe(tmp_path / "loop.yaml")
+
+
+BAD = [
+    ({"rollout": {"nn": 4}}, r"unknown recipe key `rollout.nn`; did you mean `rollout.n`"),
+    ({"rollot": {"n": 4}}, r"unknown recipe key `rollot`; did you mean `rollout`"),
+    ({"budget": {"prior": "linar"}}, r"`budget.prior` must be one of .*did you mean 'linear'"),
+    ({"rollout": {"n": "eight"}}, r"`rollout.n` must be an integer, got 'eight'"),
+    ({"rollout": {"n": 0}}, r"`rollout.n` must be a positive integer, got 0"),
+    ({"summary": {"n": -1}}, r"`summary.n` must be a positive integer"),
+    ({"summary": {"max_tokens": 0}}, r"`summary.max_tokens` must be a positive integer"),
+    ({"budget": {"budgets": [4000, 2000]}}, r"`budget.budgets` must be strictly increasing"),
+    ({"budget": {"budgets": [2000, 2000]}}, r"`budget.budgets` must be strictly increasing"),
+    ({"budget": {"budgets": [2000, 9000]}}, r"`budget.budgets` ends at 9000, above `budget.max_thinking` = 8000"),
+    ({"budget": {"prior": "explicit", "probs": [0.5, 0.6, 0.0, 0.0]}}, r"`budget.probs` must sum to 1"),
+    ({"budget": {"prior": "explicit", "probs": [1.5, -0.5, 0.0, 0.0]}}, r"`budget.probs` must be non-negative"),
+    ({"budget": {"prior": "explicit", "probs": [0.5, 0.5]}}, r"`budget.probs` has 2 entries but there are 4 budgets"),
+    ({"budget": {"prior": "explicit"}}, r"needs `budget.probs`"),
+    ({"budget": {"probs": [0.25, 0.25, 0.25, 0.25]}}, r"only used with `budget.prior: explicit`"),
+    ({"budget": {"max_thinking": 0}}, r"`budget.max_thinking` must be positive"),
+    ({"learner": {"lr": -1}}, r"`learner.lr` must be > 0"),
+    ({"learner": {"zero_stage": 4}}, r"`learner.zero_stage` must be 0, 1, 2 or 3"),
+    ({"learner": {"backend": "jax"}}, r"`learner.backend` must be one of 'torch', 'deepspeed'"),
+    ({"algorithm": {"estimator": "ppo"}}, r"`algorithm.estimator` must be one of"),
+    ({"algorithm": {"kl_coef": 0.1}}, r"needs `learner.reference_model: true`"),
+    ({"rollout": {"temperature": 0}}, r"`rollout.temperature` must be > 0"),
+    ({"rollout": {"max_model_len": 4096}}, r"`rollout.max_model_len` \(4096\) is below max_prompt_len \+ max_thinking"),
+    ({"summary": {"close_text": "..."}}, r"`summary.close_text` .* must contain `summary.think_end`"),
+    ({"eval": {"budgets": [1000, 12000]}}, r"`eval.budgets` ends at 12000"),
+    ({"learner": {"pipeline": {"stages": 4, "microbatches": 2}}}, r"microbatches` \(2\) must be >= stages \(4\)"),
+    ({"model": ["x"]}, r"`model` must be a mapping"),
+    ({"learner": {"betas": [0.9]}}, r"`learner.betas` must be two numbers"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_recipes_get_specific_messages(data, message):
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_dict(data)
+
+
+def test_cli_prints_errors_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: {nn: 4}\n")
+    assert main(["config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean `rollout.n`" in err and "Traceback" not in err
+    assert main(["config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["config", str(RECIPES[0]), "rollout.n"]) == 2
+    assert "key.path=value" in capsys.readouterr().err

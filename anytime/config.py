@@ -33,6 +33,7 @@ class ModelConfig:
     tiny: bool = False
     tiny_hidden_size: int = 128
     tiny_layers: int = 2
+    tiny_heads: int = 2
     gradient_checkpointing: bool = False
 
 

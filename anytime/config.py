@@ -150,6 +150,7 @@ class TrainerConfig:
     save_every: int = 50
     keep_last: int = 3
     resume: str = "auto"                # auto | never | a checkpoint folder
+    num_threads: int = 0                # CPU threads per process for torch; 0 = torch's default
 
 
 @dataclass

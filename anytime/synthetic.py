@@ -1,8 +1,10 @@
 """A synthetic reasoning task for the CPU quickstart, where longer thinking really helps.
 
-Each problem is a chain of single-digit additions modulo 10 ("Start with 3. Add 7, add 2, add 9.
-What is the last digit?"). The reference thinking trace works through the chain one line per
-step ("3+7=0"), so a trace cut early has only a partial result: accuracy rises with the budget.
+Each problem is a chain of single-digit additions modulo 10 ("Start with 3. Step 1: add 7. Step 2:
+add 2. What is the last digit of the result?"). The reference thinking trace works through the
+chain one numbered line per step ("1: 3+7=0"), so a trace cut early has only a partial result:
+accuracy rises with the budget. Numbered steps make the operand lookup a plain match (find
+"Step k" in the prompt), which a small transformer learns quickly.
 Reference traces also carry filler lines ("hmm, let me check.") with a given probability, as
 verbose reasoning models do; a policy that learns to drop them reaches the answer at smaller
 budgets, which is exactly what the anytime objective rewards. Rows use the math data format
@@ -28,17 +30,17 @@ class ChainProblem:
 
     @property
     def problem(self) -> str:
-        adds = ", ".join(f"add {x}" for x in self.operands)
-        return f"Start with {self.start}. {adds[0].upper()}{adds[1:]}. What is the last digit of the result?"
+        steps = " ".join(f"Step {k}: add {x}." for k, x in enumerate(self.operands, 1))
+        return f"Start with {self.start}. {steps} What is the last digit of the result?"
 
     def thinking(self, rng: random.Random | None = None, filler: float = 0.0) -> str:
         """Reference reasoning: one line per step, each possibly preceded by a filler line."""
         lines, value = [], self.start
-        for x in self.operands:
+        for k, x in enumerate(self.operands, 1):
             if rng is not None and rng.random() < filler:
                 lines.append(rng.choice(FILLER_LINES))
             new = (value + x) % 10
-            lines.append(f"{value}+{x}={new}")
+            lines.append(f"{k}: {value}+{x}={new}")
             value = new
         return "\n".join(lines) + "\n"
 

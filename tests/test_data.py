@@ -47,7 +47,9 @@ def test_bad_sources(tmp_path):
 def test_synthetic_task_is_seeded_and_consistent():
     p = ChainProblem(3, (7, 2, 9, 4))
     assert p.answer == 5
-    assert p.thinking() == "3+7=0\n0+2=2\n2+9=1\n1+4=5\n"
+    assert p.thinking() == "1: 3+7=0\n2: 0+2=2\n3: 2+9=1\n4: 1+4=5\n"
+    assert p.problem == ("Start with 3. Step 1: add 7. Step 2: add 2. Step 3: add 9. Step 4: add 4. "
+                         "What is the last digit of the result?")
     assert make_problems(5, 1) == make_problems(5, 1)
     train = synthetic_rows(200, 1, 3, 6)
     held_out = synthetic_rows(50, 2, 3, 6, exclude=train)

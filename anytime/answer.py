@@ -1,0 +1,166 @@
+"""Answer extraction from model text and gold-answer normalisation.
+
+Pure string work, no math-verify: the verifier (`anytime.reward`) calls these inside its killable
+worker processes, and tests/callers can use them anywhere. Extraction follows the AnytimeReasoner
+paper: split the answer part on blank lines, take the first paragraph that starts with the answer
+header, and read the last balanced ``\\boxed{...}`` of that paragraph.
+
+Model text is untrusted, so every step is linear in the input and the amount of text that reaches
+the (expensive, potentially super-linear) math parser is capped.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Sequence
+
+THINK_END = "</think>"
+DEFAULT_HEADER = "**Final Answer**"
+
+# A \boxed{} answer longer than this is not a final answer but garbage (or an attack on the
+# parser): it is treated as "no answer" instead of being handed to sympy.
+MAX_ANSWER_CHARS = 4096
+# Only the tail of an over-long header paragraph is searched. Brace matching is local (a "{" is
+# closed by the first depth-balanced "}" after it), so every \boxed that starts inside the tail
+# is matched exactly as in the full paragraph; honest summaries are far shorter than this.
+MAX_PARAGRAPH_CHARS = 16384
+
+# "\boxed{" / "\fbox{" (optional spaces before the brace) or "\boxed 5" (the token form some
+# models emit), an escaped brace "\{" or a line break "\\" (skipped: not grouping), or a brace.
+# "\boxed" followed by a letter ("\boxedx") is another macro and matches nothing.
+_TOKEN_RE = re.compile(r"\\(?:boxed|fbox)(?:\s*(\{)|\s+([^\s{}$\\]+))|\\[\\{}]|[{}]")
+# An unescaped "$" (math delimiter); "\$" (a dollar sign) is kept.
+_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+# A whole answer in E notation: "3.89e-10" (Minerva golds). math-verify reads it as 3.89*e - 10.
+_E_NOTATION_RE = re.compile(r"([-+]?\d+(?:\.\d*)?)[eE]([-+]?\d+)")
+
+
+def sanitize(text: str) -> str:
+    """Drop NUL bytes and replace lone surrogates so every later step sees valid Unicode."""
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, e.g. "\ud800" from a bad detokenisation
+        text = text.encode("utf-8", errors="replace").decode("utf-8")
+    return text
+
+
+def extract_boxed(text: str, max_chars: int = MAX_ANSWER_CHARS) -> str | None:
+    """Return the content of the last balanced ``\\boxed{...}`` in ``text`` (None if there is none).
+
+    "Last" is the one that closes last, so for ``\\boxed{\\boxed{1}}`` the outer content is
+    returned. Unbalanced openers are skipped (an earlier balanced box still counts); content longer
+    than ``max_chars`` gives None. ``\\boxed 5`` (no braces) yields ``"5"``. One regex pass plus a
+    stack: linear time even for 10,000 nested braces or a thousand boxes.
+    """
+    if len(text) > MAX_PARAGRAPH_CHARS:
+        text = text[-MAX_PARAGRAPH_CHARS:]
+    stack: list[int] = []  # content start offset for \boxed{, -1 for a plain brace
+    best: tuple[int, int] | None = None  # (content start, content end) of the last closed box
+    for match in _TOKEN_RE.finditer(text):
+        if match.group(1) is not None:  # \boxed{
+            stack.append(match.end())
+        elif match.group(2) is not None:  # \boxed token
+            best = (match.start(2), match.end(2))
+        elif match.group(0)[0] == "\\":  # "\{", "\}" or "\\"
+            continue
+        elif match.group(0) == "{":
+            stack.append(-1)
+        elif stack:  # "}" closing something; a stray "}" is ignored
+            start = stack.pop()
+            if start >= 0:
+                best = (start, match.start())
+    if best is None:
+        return None
+    start, end = best
+    if end - start > max_chars:
+        return None
+    return text[start:end].strip()
+
+
+def header_key(header: str) -> str:
+    """The header as matched: surrounding whitespace stripped (the forced text may be
+    ``"\\n\\n**Final Answer**\\n"``). Raises ValueError for a blank header."""
+    if not isinstance(header, str) or not header.strip():
+        raise ValueError(
+            f"answer header must be a non-blank string such as {DEFAULT_HEADER!r}, got {header!r}"
+        )
+    return header.strip()
+
+
+def extract_answer(text: str, header: str = DEFAULT_HEADER) -> str | None:
+    """The last ``\\boxed{}`` content of the first paragraph (split on blank lines) that starts
+    with ``header``; None if no paragraph starts with it or that paragraph has no box.
+
+    ``text`` is the answer part (after the thinking); only the header paragraph is searched, as in
+    the paper, so a box in a later paragraph does not count.
+    """
+    key = header_key(header)
+    for paragraph in sanitize(text).split("\n\n"):
+        if paragraph.lstrip().startswith(key):
+            return extract_boxed(paragraph.lstrip()[len(key):])
+    return None
+
+
+def strip_math_delimiters(answer: str) -> str:
+    """Remove unescaped ``$`` delimiters and a trailing full stop: ``"$69$,$84$"`` -> ``"69,84"``.
+
+    Datasets (OlympiadBench) write multi-part golds as several ``$...$`` pieces; the answer is then
+    re-wrapped once as ``$...$`` for math-verify, which does not parse bare LaTeX. ``\\$`` (a
+    currency sign) is kept.
+    """
+    answer = _DOLLAR_RE.sub("", answer).strip()
+    if answer.endswith(".") and not answer.endswith(".."):
+        answer = answer[:-1].rstrip()
+    return answer
+
+
+def as_latex(answer: str) -> str:
+    """The math-verify input for a gold or a predicted answer: delimiters stripped, E notation
+    spelled as a power of ten, wrapped once in ``$...$`` (bare LaTeX such as ``(x+1)^2`` parses
+    to nothing and ``2^{1/2}`` to 2). Gold and prediction go through the same function."""
+    answer = strip_math_delimiters(answer)
+    number = _E_NOTATION_RE.fullmatch(answer)
+    if number:
+        answer = f"{number.group(1)} \\times 10^{{{number.group(2)}}}"
+    return f"${answer}$"
+
+
+def _normalize_scalar(answer: object) -> str:
+    if isinstance(answer, bool):  # bool is an int subclass; True is not an answer
+        raise ValueError(f"gold answer must be a number, string or list, got the bool {answer!r}")
+    if isinstance(answer, numbers.Integral):
+        return str(int(answer))
+    if isinstance(answer, numbers.Real):
+        value = float(answer)
+        if not math.isfinite(value):
+            raise ValueError(f"gold answer must be finite, got {answer!r}")
+        # 142.0 -> "142": AMC stores integer answers as floats.
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(answer, str):
+        return strip_math_delimiters(answer)
+    raise ValueError(
+        f"gold answer must be a number, string or list of them, got {type(answer).__name__}: "
+        f"{answer!r:.80}"
+    )
+
+
+def normalize_gold(answer: object) -> list[str]:
+    """Turn a dataset's answer field into a non-empty list of gold strings.
+
+    Floats with an integral value become integers (``142.0`` -> ``"142"``), lists give one gold per
+    element (a prediction is correct if it matches any), strings lose surrounding whitespace
+    (Minerva's trailing newlines) and ``$`` delimiters. The strings are bare LaTeX, readable in
+    logs; `as_latex` turns them into math-verify input. Raises ValueError for a missing or empty
+    answer.
+    """
+    items: Sequence[object] = answer if isinstance(answer, (list, tuple)) else [answer]
+    golds = [gold for gold in (_normalize_scalar(item) for item in items) if gold]
+    if not golds:
+        raise ValueError(
+            f"gold answer is empty ({answer!r:.80}); every dataset row needs a non-empty answer"
+        )
+    return golds

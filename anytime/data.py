@@ -125,13 +125,14 @@ def render_prompt(tokenizer: Any, problem: str, instruction: str = DEFAULT_INSTR
     return list(tokenizer(user_message(problem, instruction), add_special_tokens=True)["input_ids"])
 
 
-def encode_prompts(tokenizer: Any, rows: Sequence[PromptRow], instruction: str, max_prompt_len: int) -> list[list[int]]:
-    """Render every row; a prompt longer than `max_prompt_len` is an error naming the row."""
+def encode_prompts(tokenizer: Any, rows: Sequence[PromptRow], instruction: str, max_prompt_len: int,
+                   limit_name: str = "data.max_prompt_len") -> list[list[int]]:
+    """Render every row; a prompt longer than `max_prompt_len` is an error naming the row and the limit."""
     out = []
     for row in rows:
         ids = render_prompt(tokenizer, row.problem, instruction)
         if len(ids) > max_prompt_len:
-            raise DataError(f"prompt of row {row.id!r} has {len(ids)} tokens, above data.max_prompt_len = "
+            raise DataError(f"prompt of row {row.id!r} has {len(ids)} tokens, above {limit_name} = "
                             f"{max_prompt_len}; raise the limit or filter the dataset")
         out.append(ids)
     return out

@@ -35,10 +35,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate_rows(runner: AnytimeRolloutRunner, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
                   instruction: str = DEFAULT_INSTRUCTION, max_prompt_len: int = 1024, batch_prompts: int = 32,
                   seed: int = 0, probs: Sequence[float] | None = None,
-                  on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
+                  on_batch: Callable[[int], None] | None = None,
+                  limit_name: str = "data.max_prompt_len") -> dict[str, Any]:
     """Per-budget accuracy, anytime/final accuracy, thinking length, pass@k and verifier failures."""
     budgets = list(budgets)
-    prompts = encode_prompts(tokenizer, rows, instruction, max_prompt_len)
+    prompts = encode_prompts(tokenizer, rows, instruction, max_prompt_len, limit_name)
     per_problem_correct: list[list[float]] = []     # [problem][sample] at the final budget
     budget_sum = [0.0] * len(budgets)
     lengths: list[int] = []
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                     per_bench[name] = evaluate_rows(runner, tokenizer, rows, budgets=budgets,
                                                     instruction=args.instruction, max_prompt_len=args.max_prompt_len,
                                                     batch_prompts=args.batch_prompts, seed=args.seed,
-                                                    on_batch=bar.update)
+                                                    on_batch=bar.update, limit_name="--max-prompt-len")
                     per_bench[name]["seconds"] = time.perf_counter() - start
             results["models"][model] = per_bench
     write_results(results, out)

@@ -62,7 +62,7 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         loss.backward()
 
     def step(self) -> StepResult:
@@ -120,15 +120,17 @@ class DeepSpeedBackend:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                                  config=ds_config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        schedule = lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
+        # DeepSpeed builds the scheduler on its base optimizer, steps it and checkpoints it itself.
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.model = self.engine.module
         self._zero3 = cfg.zero_stage == 3
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.set_gradient_accumulation_boundary(False)
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        # ZeRO reduces gradients in the backward of the accumulation boundary: mark the last micro-batch.
+        self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -136,25 +138,21 @@ class DeepSpeedBackend:
 
     def step(self) -> StepResult:
         lr = self.optimizer.param_groups[0]["lr"]
-        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         overflow = bool(getattr(self.engine, "skipped_steps", 0) > getattr(self, "_skipped_seen", 0))
         self._skipped_seen = getattr(self.engine, "skipped_steps", 0)
-        skipped = overflow or not math.isfinite(norm)
-        if not skipped:
-            self.scheduler.step()
-        return StepResult(norm, skipped, lr)
+        return StepResult(norm, overflow or not math.isfinite(norm), lr)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict()}
+        return {}  # optimizer and scheduler live in the DeepSpeed checkpoint
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        pass
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:

@@ -98,7 +98,7 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
             micro = pack_micro_batches(rows, cfg.micro_batch_tokens)
             micro += [[dummy]] * (_max_across_ranks(len(micro)) - len(micro))
             bad = False
-            for mb in micro:
+            for index, mb in enumerate(micro):
                 tensors = collate(mb, pad_id, device)
                 want_entropy = True
                 lp, ent = forward_logprobs(model, tensors, with_entropy=want_entropy)
@@ -119,7 +119,7 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
                 if _any_across_ranks(not bool(torch.isfinite(loss))):
                     bad = True
                     break
-                backend.backward(loss)
+                backend.backward(loss, last=index == len(micro) - 1)
                 if st["tokens"] > 0:
                     for k, v in st.items():
                         stats[k].append(v)

@@ -1,0 +1,172 @@
+"""The training loop end to end on a tiny model: resume determinism, atomic checkpoints under
+SIGKILL, NaN/inf skipping, SIGTERM handling, and inputs checked before any work."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from anytime.config import load_recipe
+from anytime.learner import checkpoint as ckpt
+from anytime.learner.launch import launch_train, preflight
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+
+
+def tiny_overrides(out: Path, steps: int = 3) -> list[str]:
+    return [f"trainer.output_dir={out}", f"model.path={out.parent / 'init'}", "model.tiny_hidden_size=64",
+            "model.tiny_layers=1", "sft.steps=0", f"trainer.steps={steps}", "trainer.save_every=1",
+            "rollout.prompts_per_step=2", "rollout.n=2", "summary.n=2", "budget.budgets=[8,16]",
+            "budget.max_thinking=16", "eval.limit=4", "logging.progress=false", "trainer.num_threads=1",
+            "learner.deterministic=true", "algorithm.entropy_coef=0.01", "logging.tensorboard=false"]
+
+
+def read_metrics(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "train/rows" in r}
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_next_step(tmp_path):
+    full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
+    assert launch_train(QUICKSTART, tiny_overrides(full, steps=3)) == 0
+    assert launch_train(QUICKSTART, tiny_overrides(part, steps=2)) == 0
+    assert launch_train(QUICKSTART, tiny_overrides(part, steps=3)) == 0  # resume: auto from step_2
+    a, b = read_metrics(full), read_metrics(part)
+    assert a[3] == b[3]
+    assert a[3]["update/grad_norm"] > 0  # the update really did something
+    assert [p.name for p in ckpt.list_checkpoints(part / "checkpoints")] == ["step_2", "step_3"]
+
+
+def test_missing_inputs_fail_before_any_work(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        preflight(load_recipe(QUICKSTART, ["model.tiny=false", f"model.path={tmp_path}/does-not-exist"]))
+    with pytest.raises(FileNotFoundError, match="rows.jsonl"):
+        preflight(load_recipe(QUICKSTART, [f"data.train={tmp_path}/rows.jsonl"]))
+    with pytest.raises(ValueError, match="unknown benchmark 'aime25'.*available"):
+        preflight(load_recipe(QUICKSTART, ["eval.benchmarks=[aime25]"]))
+    with pytest.raises(FileNotFoundError, match="test_aime.json"):
+        preflight(load_recipe(QUICKSTART, ["eval.benchmarks=[aime24]", f"eval.data_dir={tmp_path}"]))
+    assert not (tmp_path / "does-not-exist").exists()
+
+
+def _tiny_backend(tiny_model_dir, lr=1e-2):
+    from transformers import AutoModelForCausalLM
+
+    from anytime.config import LearnerConfig
+    from anytime.learner.backend import TorchBackend
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    return TorchBackend(model, LearnerConfig(lr=lr, mini_batch_prompts=1), total_steps=10)
+
+
+def _batch(advantage: float):
+    from anytime.learner.batch import TrainBatch, TrainRow
+
+    row = TrainRow([1, 5, 6, 7, 8], [0, 1, 1, 1, 1], [0] + [advantage] * 4, [0.0] * 5, 0, "thinking",
+                   old_logprobs=[-5.0] * 4)
+    return TrainBatch([row], 1, 1, 8, {0: 4}, 1)
+
+
+@pytest.mark.parametrize("advantage", [float("nan"), float("inf")])
+def test_non_finite_loss_skips_the_update(tiny_model_dir, advantage):
+    from anytime.config import AlgorithmConfig, LearnerConfig
+    from anytime.learner.update import ppo_update
+
+    backend = _tiny_backend(tiny_model_dir)
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    stats = ppo_update(backend, _batch(advantage), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    assert stats["skipped_updates"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    stats = ppo_update(backend, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    assert stats["skipped_updates"] == 0.0
+    assert any(not torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+
+
+def test_non_finite_gradient_skips_the_update(tiny_model_dir):
+    from anytime.config import AlgorithmConfig, LearnerConfig
+    from anytime.learner.update import ppo_update
+
+    backend = _tiny_backend(tiny_model_dir)
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    param = next(backend.model.parameters())
+    handle = param.register_hook(lambda g: g * float("inf"))
+    stats = ppo_update(backend, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    handle.remove()
+    assert stats["skipped_updates"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from anytime.config import LearnerConfig
+    from anytime.learner.backend import TorchBackend
+    from anytime.learner.checkpoint import save_checkpoint
+
+    model_dir, root = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    backend = TorchBackend(model, LearnerConfig(), 10)
+    save_checkpoint(root, 1, model, tok, backend, {"data_position": 1}, keep_last=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    class KillMidWrite:
+        def save_pretrained(self, path):
+            os.kill(os.getpid(), signal.SIGKILL)   # weights are on disk, the rest is not
+
+    save_checkpoint(root, 2, model, KillMidWrite(), backend, {"data_position": 2}, keep_last=3)
+""")
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from anytime.config import LearnerConfig
+    from anytime.learner.backend import TorchBackend
+
+    root = tmp_path / "checkpoints"
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, tiny_model_dir, str(root)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert (root / "step_2.tmp").is_dir()  # the interrupted write
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_1"]
+    latest = ckpt.resolve_resume(root, "auto")
+    assert latest.name == "step_1"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.0)
+    state = ckpt.load_checkpoint(latest, TorchBackend(model, LearnerConfig(), 10))
+    assert state["step"] == 1 and state["data_position"] == 1
+    assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=1000),
+           "trainer.save_every=1000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    saved = ckpt.list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1 and int(saved[0].name.split("_")[1]) >= 2
+    assert "stopped by signal" in output

@@ -1,0 +1,599 @@
+"""Pipeline executor: runs any `Schedule` from `anytime.pipeline.schedule`, one process per rank.
+
+Each rank walks its own action list in order:
+- F  receive the stage input (or take the microbatch's tokens on stage 0), run the stage
+     forward, keep the output (or the loss on the last stage) as the backward root, send the
+     output on;
+- I  receive the output gradient, backpropagate with weight GEMMs deferred (`splitgrad`), send
+     the input gradient back;
+- W  run the deferred weight GEMMs of that (stage, microbatch);
+- B  fused backward (I and W at once).
+
+Hand-overs between two stages on the same rank (V placement) stay local. Cross-rank tensors
+travel by `isend`/`irecv`. Receives are posted early (`prefetch` actions ahead) and waited only
+right before the compute that needs them. Per direction of a rank pair, receives are posted in
+the sender's send order: NCCL matches point-to-point messages by order, not tag, so this order
+(and one process group per direction, see `p2p_groups`) is what makes early posting deadlock-free
+there; gloo also gets distinct tags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from anytime.pipeline.offload import OffloadStats, SavedActivations
+from anytime.pipeline.schedule import Action, Schedule
+from anytime.pipeline.splitgrad import WeightGradStore, convert_linears
+
+FORWARD_TAG_BASE = 1 << 20   # tags of the forward-only pass, apart from the training step's
+TIED_TAG_BASE = 1 << 21      # tags of the tied-weight gradient exchange
+
+Key = tuple[str, int, int]   # ("F", stage, mb): input activation of stage; ("G", stage, mb): grad of its output
+
+
+def p2p_groups(group: dist.ProcessGroup | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
+    """(group, reverse): messages to a higher pipeline rank use `group`, to a lower one `reverse`.
+
+    NCCL runs one stream per rank pair and group, so a receive posted early from a peer could sit
+    in front of a send that peer is waiting for; separate groups per direction rule that out.
+    Collective over the default group (every process must call it).
+    """
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return group, dist.new_group(ranks=ranks)
+
+
+def forward_only_actions(schedule: Schedule) -> dict[int, list[Action]]:
+    """Pipelined inference order for the schedule's placement: F(s, j) runs in wavefront order
+    s + j, so every rank overlaps microbatches whatever the placement (loop or V)."""
+    out: dict[int, list[Action]] = {r: [] for r in range(schedule.ranks)}
+    order = sorted((s + j, s, j) for s in range(schedule.stages) for j in range(schedule.microbatches))
+    for _, s, j in order:
+        out[schedule.placement[s]].append(Action(s, "F", j))
+    return out
+
+
+def _message(action: Action, nstages: int) -> tuple[Key, int, int] | None:
+    """(key, producer stage, consumer stage) of what `action` needs from another stage, or None."""
+    s, j = action.stage, action.microbatch
+    if action.kind == "F" and s > 0:
+        return ("F", s, j), s - 1, s
+    if action.kind in ("I", "B") and s < nstages - 1:
+        return ("G", s, j), s + 1, s
+    return None
+
+
+def _produced(action: Action, nstages: int) -> tuple[Key, int] | None:
+    """(key, consumer stage) of what `action` sends to another stage, or None."""
+    s, j = action.stage, action.microbatch
+    if action.kind == "F" and s < nstages - 1:
+        return ("F", s + 1, j), s + 1
+    if action.kind in ("I", "B") and s > 0:
+        return ("G", s - 1, j), s - 1
+    return None
+
+
+class _MessagePlan:
+    """For one set of action lists: per sender rank, the keys it sends to this rank, in order."""
+
+    def __init__(self, actions: Mapping[int, Sequence[Action]], placement: Sequence[int], me: int) -> None:
+        nstages = len(placement)
+        self.from_rank: dict[int, list[Key]] = {}
+        self.index: dict[Key, tuple[int, int]] = {}
+        for src, acts in actions.items():
+            if src == me:
+                continue
+            for a in acts:
+                out = _produced(a, nstages)
+                if out is not None and placement[out[1]] == me:
+                    seq = self.from_rank.setdefault(src, [])
+                    self.index[out[0]] = (src, len(seq))
+                    seq.append(out[0])
+        self.send_index: dict[Key, int] = {}
+        counts: dict[int, int] = {}
+        for a in actions[me]:
+            out = _produced(a, nstages)
+            if out is not None and placement[out[1]] != me:
+                dst = placement[out[1]]
+                self.send_index[out[0]] = counts.get(dst, 0)
+                counts[dst] = counts.get(dst, 0) + 1
+
+
+@dataclass
+class StepStats:
+    """What one executed step measured on this rank (times in seconds, memory in bytes)."""
+
+    losses: list[float] = field(default_factory=list)          # per microbatch, last stage only
+    outputs: dict[int, object] = field(default_factory=dict)   # per microbatch, from loss_fn/output_fn
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (action, compute start, end)
+    wall: float = 0.0
+    busy: float = 0.0   # compute time, waits for receives excluded
+    peak_saved_bytes: int = 0
+    offload: OffloadStats | None = None
+
+
+@dataclass
+class _Step:
+    """State of one step in flight: inputs, tensors in transit and backward roots."""
+
+    train: bool
+    plan: _MessagePlan
+    tag_base: int
+    boundary: tuple[tuple[int, ...], torch.dtype]
+    first_input: Callable[[int], torch.Tensor]
+    stage_kwargs: Callable[[int, int], dict]
+    loss_fn: Callable | None = None
+    output_fn: Callable | None = None
+    loss_scale: float = 1.0
+    stats: StepStats = field(default_factory=StepStats)
+    local: dict[Key, torch.Tensor] = field(default_factory=dict)         # same-rank hand-overs
+    recvs: dict[Key, tuple[object, torch.Tensor]] = field(default_factory=dict)
+    next_recv: dict[int, int] = field(default_factory=dict)               # per sender: next index to post
+    sends: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+    roots: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)   # outputs / losses to backprop
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # stage inputs awaiting .grad
+
+
+class PipelineExecutor:
+    """Runs a schedule's actions for the stages this rank owns.
+
+    `stages` maps stage id → module (`forward(x, **kwargs)`); its `nn.Linear` layers are switched
+    to `SplitLinear` in place so I and W can be separated. `tied` lists parameter pairs
+    ((stage, name), (stage, name)) that are one weight in the full model (tied embeddings): their
+    gradients are summed across the two holders at the end of every step. `offload_chunks` are
+    chunk indices (0 = this rank's first stage) whose saved activations go to host memory.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], schedule: Schedule, *,
+                 group: dist.ProcessGroup | None = None, reverse_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, offload_chunks: Iterable[int] = (),
+                 prefetch: int = 2, tied: Sequence[tuple[tuple[int, str], tuple[int, str]]] = (),
+                 track_memory: bool = True) -> None:
+        schedule.validate()
+        if not dist.is_initialized():
+            raise ValueError("PipelineExecutor needs an initialised torch.distributed process group "
+                             "(one process per pipeline rank)")
+        self.group, self.schedule = group, schedule
+        self.rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if size != schedule.ranks:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks but the process group "
+                             f"has {size}; build the schedule with ranks={size}")
+        mine = sorted(s for s, r in enumerate(schedule.placement) if r == self.rank)
+        if sorted(stages) != mine:
+            raise ValueError(f"rank {self.rank} must hold stages {mine} under placement {schedule.placement}, "
+                             f"got {sorted(stages)}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        offload_chunks = set(offload_chunks)
+        if not offload_chunks <= set(range(schedule.chunks)):
+            raise ValueError(f"offload_chunks={sorted(offload_chunks)} must be chunk indices in "
+                             f"0..{schedule.chunks - 1}")
+        if reverse_group is None and "nccl" in str(dist.get_backend(group)):
+            _, reverse_group = p2p_groups(group)
+        self.reverse_group = reverse_group if reverse_group is not None else group
+        self.stages = dict(stages)
+        self.nstages = schedule.stages
+        self.offload_stages = {s for c, s in enumerate(mine) if c in offload_chunks}
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.prefetch, self.track_memory = prefetch, track_memory
+        self.store = WeightGradStore()
+        for module in self.stages.values():
+            convert_linears(module, self.store)
+        self.saved = SavedActivations(self.device, [p for m in self.stages.values() for p in m.parameters()])
+        self.tied = [tuple(pair) for pair in tied]
+        self._forward_actions = forward_only_actions(schedule)
+        self._plans = {"train": _MessagePlan(schedule.actions, schedule.placement, self.rank),
+                       "forward": _MessagePlan(self._forward_actions, schedule.placement, self.rank)}
+        self._global = {r: (dist.get_global_rank(group, r) if group is not None else r) for r in range(size)}
+
+    # -- public API ----------------------------------------------------------------------------
+    def train_step(self, first_input: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], object],
+                   boundary: tuple[Sequence[int], torch.dtype], *,
+                   stage_kwargs: Callable[[int, int], dict] | None = None, loss_scale: float = 1.0,
+                   timeline: bool = False) -> StepStats:
+        """One forward + backward of all microbatches; gradients accumulate in `.grad`.
+
+        `first_input(mb)` gives stage 0's input; `loss_fn(output, mb)` the last stage's loss for
+        that microbatch (a scalar, or (scalar, extra)), already weighted so that the sum over
+        microbatches is the full-batch loss, times `loss_scale` (pass 1/m for per-microbatch means).
+        `boundary` is the (shape, dtype) of every tensor crossing a stage boundary.
+        """
+        step = _Step(True, self._plans["train"], 0, (tuple(boundary[0]), boundary[1]), first_input,
+                     stage_kwargs or _no_kwargs, loss_fn=loss_fn, loss_scale=loss_scale)
+        return self._run(step, self.schedule.actions[self.rank], timeline)
+
+    @torch.no_grad()
+    def forward(self, first_input: Callable[[int], torch.Tensor], output_fn: Callable[[torch.Tensor, int], object],
+                boundary: tuple[Sequence[int], torch.dtype], *,
+                stage_kwargs: Callable[[int, int], dict] | None = None) -> StepStats:
+        """Forward-only pipelined pass; `output_fn(last stage output, mb)` results land in `.outputs`."""
+        step = _Step(False, self._plans["forward"], FORWARD_TAG_BASE, (tuple(boundary[0]), boundary[1]),
+                     first_input, stage_kwargs or _no_kwargs, output_fn=output_fn)
+        return self._run(step, self._forward_actions[self.rank], False)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self, step: _Step, actions: Sequence[Action], timeline: bool) -> StepStats:
+        stats = step.stats
+        step.next_recv = {src: 0 for src in step.plan.from_rank}
+        handlers = {"F": self._forward, "I": self._backward, "B": self._backward, "W": self._weight}
+        start = time.perf_counter()
+        try:
+            for k, action in enumerate(actions):
+                self._post_recvs(step, actions, k)
+                self._prefetch_offloaded(actions, k)
+                begin = handlers[action.kind](step, action)
+                end = time.perf_counter()
+                stats.busy += end - begin
+                if timeline:
+                    stats.timeline.append((str(action), begin - start, end - start))
+                if self.track_memory and step.train:
+                    live = self.saved.device_bytes() + self.store.pending_bytes()
+                    stats.peak_saved_bytes = max(stats.peak_saved_bytes, live)
+                if step.sends:
+                    step.sends = [(w, t) for w, t in step.sends if not w.is_completed()]
+            for work, _ in step.sends:
+                work.wait()
+            if step.train:
+                left = self.store.keys() + self.saved.keys() + list(step.roots) + list(step.local) + list(step.recvs)
+                if left:
+                    raise RuntimeError(f"rank {self.rank}: schedule {self.schedule.name!r} ended with work left: "
+                                       f"{left[:8]}")
+                self._sync_tied_grads()
+        finally:
+            self.store.clear()  # a failed step must not leak into the next one
+            self.saved.clear()
+        stats.wall = time.perf_counter() - start
+        stats.offload = self.saved.stats
+        return stats
+
+    # -- actions --------------------------------------------------------------------------------
+    def _forward(self, step: _Step, a: Action) -> float:
+        s, j = a.stage, a.microbatch
+        if s == 0:
+            x = step.first_input(j).to(self.device)
+        else:
+            x = self._take(step, ("F", s, j))
+            if step.train:
+                x = x.detach().requires_grad_()
+                step.inputs[(s, j)] = x
+        begin = time.perf_counter()
+        kwargs = step.stage_kwargs(s, j)
+        if step.train:
+            with self.store.recording((s, j)), self.saved.forward((s, j), offload=s in self.offload_stages):
+                out = self.stages[s](x, **kwargs)
+        else:
+            out = self.stages[s](x, **kwargs)
+        if s < self.nstages - 1:
+            if step.train:
+                step.roots[(s, j)] = out
+            self._give(step, ("F", s + 1, j), out.detach())
+        elif step.train:
+            result = step.loss_fn(out, j)
+            loss, extra = result if isinstance(result, tuple) else (result, None)
+            loss = loss * step.loss_scale if step.loss_scale != 1.0 else loss
+            step.roots[(s, j)] = loss
+            step.stats.losses.append(float(loss.detach()))
+            if extra is not None:
+                step.stats.outputs[j] = extra
+        else:
+            step.stats.outputs[j] = step.output_fn(out, j)
+        return begin
+
+    def _backward(self, step: _Step, a: Action) -> float:
+        s, j = a.stage, a.microbatch
+        root = step.roots.pop((s, j))
+        grad = None if s == self.nstages - 1 else self._take(step, ("G", s, j))
+        begin = time.perf_counter()
+        with self.store.deferring(a.kind == "I"):
+            torch.autograd.backward(root, grad)
+        del root, grad
+        self.saved.release((s, j))
+        if s > 0:
+            x = step.inputs.pop((s, j))
+            self._give(step, ("G", s - 1, j), x.grad if x.grad is not None else torch.zeros_like(x))
+        return begin
+
+    def _weight(self, step: _Step, a: Action) -> float:
+        begin = time.perf_counter()
+        self.store.flush((a.stage, a.microbatch))
+        return begin
+
+    # -- communication ---------------------------------------------------------------------------
+    def _give(self, step: _Step, key: Key, tensor: torch.Tensor) -> None:
+        dst = self.schedule.placement[key[1]]
+        if dst == self.rank:
+            step.local[key] = tensor
+            return
+        tensor = tensor.contiguous()
+        group = self.group if dst > self.rank else self.reverse_group
+        tag = step.tag_base + step.plan.send_index[key]
+        step.sends.append((dist.isend(tensor, self._global[dst], group=group, tag=tag), tensor))
+
+    def _take(self, step: _Step, key: Key) -> torch.Tensor:
+        if key in step.local:
+            return step.local.pop(key)
+        self._post_until(step, key)
+        work, buf = step.recvs.pop(key)
+        work.wait()
+        return buf
+
+    def _post_until(self, step: _Step, key: Key) -> None:
+        """Post the receives from `key`'s sender up to `key`, in the sender's send order."""
+        src, index = step.plan.index[key]
+        seq = step.plan.from_rank[src]
+        group = self.group if self.rank > src else self.reverse_group
+        shape, dtype = step.boundary
+        while step.next_recv[src] <= index:
+            k = step.next_recv[src]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            step.recvs[seq[k]] = (dist.irecv(buf, self._global[src], group=group, tag=step.tag_base + k), buf)
+            step.next_recv[src] = k + 1
+
+    def _post_recvs(self, step: _Step, actions: Sequence[Action], k: int) -> None:
+        for a in actions[k:k + 1 + self.prefetch]:
+            need = _message(a, self.nstages)
+            if need is not None and self.schedule.placement[need[1]] != self.rank:
+                self._post_until(step, need[0])
+
+    def _prefetch_offloaded(self, actions: Sequence[Action], k: int) -> None:
+        """Start reloading offloaded activations one action before the backward needs them."""
+        if self.offload_stages:
+            for a in actions[k:k + 2]:
+                if a.kind in ("I", "B") and a.stage in self.offload_stages:
+                    self.saved.prefetch((a.stage, a.microbatch))
+
+    # -- tied weights ----------------------------------------------------------------------------
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradients of each tied pair so both holders step identically."""
+        for n, ((sa, na), (sb, nb)) in enumerate(self.tied):
+            ra, rb = self.schedule.placement[sa], self.schedule.placement[sb]
+            if self.rank not in (ra, rb):
+                continue
+            if ra == rb:
+                pa, pb = self.stages[sa].get_parameter(na), self.stages[sb].get_parameter(nb)
+                if pa is not pb:
+                    total = _grad(pa) + _grad(pb)
+                    pa.grad, pb.grad = total, total.clone()
+                continue
+            mine = self.stages[sa].get_parameter(na) if self.rank == ra else self.stages[sb].get_parameter(nb)
+            peer = rb if self.rank == ra else ra
+            own = _grad(mine).contiguous()
+            other = torch.empty_like(own)
+            to_peer = self.group if peer > self.rank else self.reverse_group
+            from_peer = self.group if self.rank > peer else self.reverse_group
+            recv = dist.irecv(other, self._global[peer], group=from_peer, tag=TIED_TAG_BASE + n)
+            send = dist.isend(own, self._global[peer], group=to_peer, tag=TIED_TAG_BASE + n)
+            recv.wait()
+            send.wait()
+            # Same operand order on both ranks: the two copies stay bitwise equal.
+            mine.grad = own + other if self.rank == ra else other + own
+
+
+def _no_kwargs(stage: int, mb: int) -> dict:
+    return {}
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# Learner entry point: a HF causal LM trained with the RL policy loss on a pipeline.
+# ------------------------------------------------------------------------------------------------
+
+def _field(batch, name: str, required: bool = True):
+    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+    if value is None and required:
+        raise ValueError(f"batch has no {name!r}; a pipeline train batch needs input_ids, attention_mask, "
+                         f"loss_mask, advantages and old_logprobs")
+    return value
+
+
+def _targets(t: torch.Tensor, rows: int, length: int, name: str) -> torch.Tensor:
+    """Per-token tensors may be target-aligned [R, T-1] or input-aligned [R, T] (column 0 dropped)."""
+    if t.shape == (rows, length - 1):
+        return t
+    if t.shape == (rows, length):
+        return t[:, 1:]
+    raise ValueError(f"batch[{name!r}] has shape {tuple(t.shape)}; expected [{rows}, {length - 1}] "
+                     f"(aligned with input_ids[:, 1:]) or [{rows}, {length}]")
+
+
+class PipelineLearner:
+    """Policy-gradient learner for a HF causal LM split over the ranks of `group`.
+
+    Every rank of the pipeline group builds it with the same arguments and calls the same
+    methods with the same batch (the batch is small next to the model; each stage takes what it
+    needs). `train_step(batch)` = forward/backward of all microbatches on the schedule + an
+    optimizer step with post-validated global clipping; `logprobs(batch)` = a forward-only
+    pipelined pass returning per-token log-probs of input_ids[:, 1:].
+    """
+
+    def __init__(self, model, schedule: str | Schedule, *, microbatches: int | None = None,
+                 chunks: int | None = None,
+                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, seed: int = 0, layers_per_stage: Sequence[int] | None = None,
+                 offload_chunks: Iterable[int] = (), max_grad_norm: float | None = 1.0,
+                 post_validate: bool = True, rollback: str = "auto", loss_kwargs: Mapping | None = None,
+                 temperature: float = 1.0, prefetch: int = 2, attn_implementation: str | None = None) -> None:
+        from anytime.pipeline.partition import (
+            build_stages,
+            load_causal_lm,
+            tied_embeddings,
+        )
+        from anytime.pipeline.postvalidate import PostValidator
+        from anytime.pipeline.schedule import build_schedule
+
+        if not dist.is_initialized():
+            raise ValueError("PipelineLearner needs an initialised torch.distributed process group")
+        ranks = dist.get_world_size(group)
+        if isinstance(schedule, str):
+            if microbatches is None:
+                raise ValueError("pass microbatches= when the schedule is given by name")
+            schedule = build_schedule(schedule, ranks, microbatches, chunks)
+        elif microbatches is not None and microbatches != schedule.microbatches:
+            raise ValueError(f"microbatches={microbatches} disagrees with the schedule's {schedule.microbatches}")
+        self.schedule, self.group = schedule, group
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.temperature, self.loss_kwargs = temperature, dict(loss_kwargs or {})
+        full = load_causal_lm(model, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+        self.config = full.config
+        tied = tied_embeddings(full)
+        rank, last = dist.get_rank(group), schedule.stages - 1
+        mine = [s for s, r in enumerate(schedule.placement) if r == rank]
+        stages = build_stages(full, mine, schedule.stages, layers_per_stage)
+        del full
+        for module in stages.values():
+            module.to(self.device)
+        pairs = [((0, "embed_tokens.weight"), (last, "lm_head.weight"))] if tied else []
+        self.executor = PipelineExecutor(stages, schedule, group=group, device=self.device,
+                                         offload_chunks=offload_chunks, prefetch=prefetch, tied=pairs)
+        self.last_rank = schedule.placement[last]
+        self.dtype = next(p.dtype for _, p in self.named_parameters() if p.is_floating_point())
+        params = list({id(p): p for _, p in self.named_parameters()}.values())
+        # A tied weight held by two ranks carries the same summed gradient on both: count it once.
+        skip = {id(stages[last].lm_head.weight)} if tied and schedule.placement[0] != rank and last in stages else set()
+        factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-6))
+        self.optimizer = factory(params)
+        self.validator = PostValidator(self.optimizer, [p for p in params if id(p) not in skip],
+                                       max_grad_norm=max_grad_norm, group=group, enabled=post_validate,
+                                       rollback=rollback)
+        self._pending_metrics: dict = {}
+        self.last_metrics: dict = {}
+
+    def named_parameters(self):
+        """(full-model name, parameter) for the weights this rank holds (a shared tied weight once)."""
+        seen = set()
+        for module in self.executor.stages.values():
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield module.original_name(name), p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under the full model's state-dict keys (for checkpoints and weight sync)."""
+        return {name: p.detach() for name, p in self.named_parameters()}
+
+    # -- batches -------------------------------------------------------------------------------
+    def _prepare(self, batch) -> dict:
+        ids = _field(batch, "input_ids").to(self.device)
+        rows, length = ids.shape
+        m = self.schedule.microbatches
+        if rows % m:
+            raise ValueError(f"batch has {rows} rows, not divisible by microbatches={m}; pad or resize the batch")
+        mask = _field(batch, "attention_mask", required=False)
+        pos = _field(batch, "position_ids", required=False)
+        return {"ids": ids, "rows": rows, "length": length, "mb": rows // m,
+                "attention_mask": None if mask is None else mask.to(self.device),
+                "position_ids": None if pos is None else pos.to(self.device)}
+
+    def _kwargs(self, b: dict):
+        def stage_kwargs(stage: int, j: int) -> dict:
+            rows = slice(j * b["mb"], (j + 1) * b["mb"])
+            return {"attention_mask": None if b["attention_mask"] is None else b["attention_mask"][rows],
+                    "position_ids": None if b["position_ids"] is None else b["position_ids"][rows]}
+        return stage_kwargs
+
+    def _boundary(self, b: dict) -> tuple[tuple[int, ...], torch.dtype]:
+        return (b["mb"], b["length"], self.config.hidden_size), self.dtype
+
+    # -- training ------------------------------------------------------------------------------
+    def forward_backward(self, batch) -> dict:
+        """Forward and backward of every microbatch; gradients end up in `.grad` (before clipping)."""
+        from anytime.algo.logprobs import token_logprobs
+        from anytime.algo.loss import policy_loss
+
+        if self.validator.pending:
+            self.validate()
+        b = self._prepare(batch)
+        rows, length = b["rows"], b["length"]
+        loss_mask = _targets(_field(batch, "loss_mask"), rows, length, "loss_mask").to(self.device)
+        adv = _targets(_field(batch, "advantages"), rows, length, "advantages").to(self.device)
+        old = _targets(_field(batch, "old_logprobs"), rows, length, "old_logprobs").to(self.device)
+        agg = self.loss_kwargs.get("agg", "token-mean")
+        num_rows = float((loss_mask.sum(-1) > 0).sum()) if agg == "seq-mean-token-mean" else float(rows)
+        num_tokens = float(loss_mask.sum())
+        labels = b["ids"][:, 1:]
+
+        def loss_fn(logits: torch.Tensor, j: int):
+            r = slice(j * b["mb"], (j + 1) * b["mb"])
+            lp = token_logprobs(logits[:, :-1], labels[r], self.temperature)
+            return policy_loss(lp, old[r], adv[r], loss_mask[r], num_tokens=num_tokens, num_rows=num_rows,
+                               **self.loss_kwargs)
+
+        stats = self.executor.train_step(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], loss_fn,
+                                         self._boundary(b), stage_kwargs=self._kwargs(b))
+        tokens = sum(o["tokens"] for o in stats.outputs.values())
+        weighted = {k: sum(o[k] * o["tokens"] for o in stats.outputs.values())
+                    for k in ("clip_frac", "approx_kl", "ratio_mean")}
+        self._pending_metrics = {"loss": sum(stats.losses), "tokens": tokens, **weighted}
+        return {"loss": sum(stats.losses) if stats.losses else None, "step_time": stats.wall,
+                "peak_saved_bytes": stats.peak_saved_bytes}
+
+    def optimizer_step(self) -> None:
+        """Speculative step (post-validation) or the blocking clip-then-step when disabled."""
+        pm = self._pending_metrics
+        extras = [pm.get(k, 0.0) for k in ("loss", "tokens", "clip_frac", "approx_kl", "ratio_mean")]
+        result = self.validator.step(extras)
+        if result is not None:
+            self._finish(result)
+
+    def validate(self) -> dict:
+        """Wait for the global gradient state; roll back / redo the step if needed; return metrics
+        (those of the last validated step when nothing is pending)."""
+        return self._finish(self.validator.validate()) if self.validator.pending else self.last_metrics
+
+    def _finish(self, v) -> dict:
+        loss, tokens, clip, kl, ratio = v.extras
+        self.last_metrics = {"loss": loss, "grad_norm": v.grad_norm, "clipped": v.clipped, "skipped": v.skipped,
+                             "rolled_back": v.rolled_back, "tokens": tokens,
+                             "clip_frac": clip / max(tokens, 1.0), "approx_kl": kl / max(tokens, 1.0),
+                             "ratio_mean": ratio / max(tokens, 1.0)}
+        return self.last_metrics
+
+    def train_step(self, batch, *, wait: bool = True) -> dict:
+        """forward_backward + optimizer step. With wait=False the validation is left pending (it is
+        picked up by the next call, or by `validate()`), so ranks are not lined up at the step."""
+        metrics = self.forward_backward(batch)
+        self.optimizer_step()
+        if wait and self.validator.pending:
+            self.validate()
+        if not self.validator.pending:
+            metrics.update(self.last_metrics)
+        return metrics
+
+    # -- inference -----------------------------------------------------------------------------
+    def logprobs(self, batch, *, broadcast: bool = True) -> torch.Tensor | None:
+        """log π(input_ids[:, t+1] | input_ids[:, :t+1]) as [R, T-1]; on every rank with `broadcast`,
+        else only on the rank of the last stage (None elsewhere)."""
+        from anytime.algo.logprobs import token_logprobs
+
+        if self.validator.pending:
+            self.validate()
+        b = self._prepare(batch)
+        labels = b["ids"][:, 1:]
+
+        def output_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
+            r = slice(j * b["mb"], (j + 1) * b["mb"])
+            return token_logprobs(logits[:, :-1], labels[r], self.temperature)
+
+        stats = self.executor.forward(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], output_fn,
+                                      self._boundary(b), stage_kwargs=self._kwargs(b))
+        rank = dist.get_rank(self.group)
+        out = torch.cat([stats.outputs[j] for j in range(self.schedule.microbatches)]) \
+            if rank == self.last_rank else None
+        if not broadcast:
+            return out
+        if out is None:
+            dtype = self._boundary(b)[1]
+            dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            out = torch.empty(b["rows"], b["length"] - 1, dtype=dtype, device=self.device)
+        src = dist.get_global_rank(self.group, self.last_rank) if self.group is not None else self.last_rank
+        dist.broadcast(out, src=src, group=self.group)
+        return out

@@ -92,3 +92,17 @@ def test_budget_past_the_engine_length_fails_before_generation(setup):
         AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((16, 8), 1, 1, 8))
     with pytest.raises(ValueError, match="must be one token"):
         AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((8,), 1, 1, 8, think_end="</thought>"))
+
+
+def test_summary_text_is_scored_for_natural_and_forced_ends(setup):
+    tok, engine, scorer = setup
+    runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 16), 1, 1, 8))
+    end = token_id_of(tok, "</think>")
+    answer = tok("\\boxed{7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    natural = Trace(tok("1: 3+4=7\n", add_special_tokens=False)["input_ids"] + [end], [0.0] * 10, natural_end=True)
+    branches, _ = runner.summary_plan(natural, [4, 16])
+    texts = [runner.summary_text(natural, br, answer) for br in branches]
+    assert texts[0].startswith("\n\n...\n\n</think>") and texts[1].startswith("</think>\n\n**Final Answer**")
+    assert [v.score for v in scorer.score(texts, ["7", "7"])] == [1.0, 1.0]
+    twice = runner.summary_text(natural, branches[1], tok("</think>\\boxed{7}", add_special_tokens=False)["input_ids"])
+    assert scorer.score([twice], ["7"])[0].reason == "bad_format"  # a second </think> breaks the format rule

@@ -144,6 +144,13 @@ class AnytimeRolloutRunner:
             branches.append(branch)
         return branches, groups
 
+    def summary_text(self, trace: Trace, branch: Branch, summary_ids: Sequence[int]) -> str:
+        """What the verifier reads: everything after the thinking, from its one `</think>` on (the
+        model's own closing token when it ended by itself, else the forced close) to the summary."""
+        own_close = [self.think_end_id] if trace.natural_end and branch.cut == len(trace.token_ids) else []
+        ids = [t for t in summary_ids if t not in self.eos_ids]
+        return self.tokenizer.decode(own_close + list(branch.suffix) + ids, skip_special_tokens=False)
+
     def run(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], budgets: Sequence[int] | None = None,
             seed: int | None = None) -> AnytimeRollout:
         s = self.settings
@@ -182,10 +189,10 @@ class AnytimeRolloutRunner:
         flat: list[tuple[int, int, int, int, Branch, Any]] = []
         for k, ((branches, _), per_branch) in enumerate(zip(plans, sampled)):
             b_idx, g_idx = divmod(k, s.traces_per_prompt)
+            trace = traces[b_idx][g_idx]
             for j, (branch, completions) in enumerate(zip(branches, per_branch)):
                 for a, comp in enumerate(completions):
-                    ids = [t for t in comp.token_ids if t not in self.eos_ids]
-                    texts.append(self.tokenizer.decode(list(branch.suffix) + ids, skip_special_tokens=False))
+                    texts.append(self.summary_text(trace, branch, comp.token_ids))
                     gold_list.append(golds[b_idx])
                     flat.append((b_idx, g_idx, j, a, branch, comp))
         start = time.perf_counter()

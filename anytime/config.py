@@ -108,10 +108,12 @@ class AlgorithmConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: int = 1
-    schedule: str = "zb-h1"
-    microbatches: int = 8
-    offload_chunks: list[int] = field(default_factory=list)
+    stages: int = 1                     # pipeline ranks = learner processes; 1 = no pipeline
+    schedule: str = "zb-h1"             # one of anytime.pipeline.schedule.SCHEDULE_NAMES
+    microbatches: int = 8               # per PPO mini-batch (its rows are padded to a multiple)
+    chunks: int | None = None           # model chunks per rank (V / interleaved); None = the schedule's default
+    offload_chunks: list[int] = field(default_factory=list)   # chunks whose activations go to host memory
+    post_validate: bool = True          # speculative optimizer step, clip/inf checked afterwards
 
 
 @dataclass
@@ -248,6 +250,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads `5e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -395,10 +402,38 @@ def validate(r: Recipe) -> None:
                  f"`eval.budgets` must be positive and strictly increasing, got {ev}")
         _require(ev[-1] <= b.max_thinking,
                  f"`eval.budgets` ends at {ev[-1]}, above `budget.max_thinking` = {b.max_thinking}")
-    p = r.learner.pipeline
-    if p.stages > 1:
-        _require(p.microbatches >= p.stages,
-                 f"`learner.pipeline.microbatches` ({p.microbatches}) must be >= stages ({p.stages})")
+    _validate_pipeline(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     _require(0 <= r.data.synthetic_filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {r.data.synthetic_filler}")
+
+
+def _validate_pipeline(r: Recipe) -> None:
+    """`learner.pipeline.stages > 1`: a pipelined torch learner, one process per stage."""
+    from anytime.pipeline.schedule import SCHEDULE_NAMES, build_schedule
+
+    p = r.learner.pipeline
+    if p.stages == 1:
+        return
+    _require(r.learner.backend == "torch",
+             f"`learner.pipeline.stages` > 1 needs `learner.backend: torch` (got {r.learner.backend!r}); the "
+             "pipeline holds one PyTorch optimizer per stage")
+    _require(r.learner.num_processes in (1, p.stages),
+             f"`learner.num_processes` ({r.learner.num_processes}) must equal `learner.pipeline.stages` "
+             f"({p.stages}) or be left at 1: a pipelined learner runs one process per stage")
+    _require(p.schedule in SCHEDULE_NAMES,
+             f"`learner.pipeline.schedule` must be one of {', '.join(SCHEDULE_NAMES)}, got {p.schedule!r}")
+    _require(p.microbatches >= p.stages,
+             f"`learner.pipeline.microbatches` ({p.microbatches}) must be >= stages ({p.stages})")
+    try:
+        schedule = build_schedule(p.schedule, p.stages, p.microbatches, p.chunks)
+    except ValueError as exc:
+        raise RecipeError(f"`learner.pipeline`: {exc}") from None
+    _require(all(0 <= c < schedule.chunks for c in p.offload_chunks),
+             f"`learner.pipeline.offload_chunks` {p.offload_chunks} must be chunk indices in 0..{schedule.chunks - 1}")
+    _require(not r.learner.reference_model and r.algorithm.kl_coef == 0,
+             "`learner.pipeline.stages` > 1 does not support a reference model (`algorithm.kl_coef` > 0); "
+             "set kl_coef: 0 and learner.reference_model: false, or learner.pipeline.stages: 1")
+    _require(not r.model.gradient_checkpointing,
+             "`model.gradient_checkpointing` is not supported with `learner.pipeline.stages` > 1; use "
+             "`learner.pipeline.offload_chunks` to save activation memory")

@@ -2,11 +2,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models: OpenMP thread barriers cost more than they save, badly so on a shared 2-core box.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
 
 

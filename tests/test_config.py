@@ -40,6 +40,7 @@ def test_overrides():
     r = load_recipe(None, ["rollout.n=16", "budget.prior=uniform", "budget.budgets=[100, 200]", "eval.limit=null"])
     assert r.rollout.n == 16 and r.budget.prior_probs() == [0.5, 0.5] and r.eval.limit is None
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
+    assert load_recipe(None, ["learner.lr=5e-4"]).learner.lr == 5e-4  # YAML 1.1 reads this as a string
 
 
 def test_base_inheritance(tmp_path):

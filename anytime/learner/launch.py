@@ -1,6 +1,7 @@
 """`anytime train` / `anytime sft`: check the recipe's inputs before any work, prepare the model
 (tiny build, supervised warm start), and run the trainer — in this process, or in N processes
-that this command starts itself (torchrun-style) when `learner.num_processes > 1`."""
+that this command starts itself (torchrun-style) when `learner.num_processes > 1` (data parallel)
+or `learner.pipeline.stages > 1` (one process per pipeline stage)."""
 
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ def _run_here(recipe: Recipe) -> int:
 def launch_train(recipe_path: str, overrides: list[str]) -> int:
     recipe = load_recipe(recipe_path, overrides)
     preflight(recipe)
-    n = recipe.learner.num_processes
+    stages = recipe.learner.pipeline.stages
+    n = stages if stages > 1 else recipe.learner.num_processes  # a pipelined learner: one process per stage
     if n > 1 and "RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                "-m", "anytime.learner.launch", recipe_path, *overrides]

@@ -2,7 +2,8 @@
 metrics → eval → checkpoint, with stage timers under stable names.
 
 Rank 0 owns the rollout engine and the verifier; the rollout's train rows are broadcast and each
-data-parallel rank trains on the rows of its own prompts.
+data-parallel rank trains on the rows of its own prompts (with `learner.pipeline.stages > 1` the
+ranks are pipeline stages instead, and all of them train on all rows).
 """
 
 from __future__ import annotations
@@ -76,17 +77,27 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = DTYPES[recipe.model.dtype]
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                          trust_remote_code=recipe.model.trust_remote_code).to(device)
-        if recipe.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        # Pipelined: every rank holds only its stages; `self.model` is then a weightless skeleton
+        # (config + save_pretrained for checkpoints) and every rank trains on all rows.
+        self.pipelined = recipe.learner.pipeline.stages > 1
         self.ref_model = None
-        if recipe.learner.reference_model:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-            self.ref_model.requires_grad_(False)
+        if self.pipelined:
+            from anytime.learner.pipelined import PipelinedBackend
+
+            self.backend = PipelinedBackend(model_path, recipe.learner, recipe.trainer.steps, dtype=dtype, seed=seed,
+                                            device=device)
+            self.model = self.backend.skeleton
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code).to(device)
+            if recipe.model.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
+            if recipe.learner.reference_model:
+                self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+                self.ref_model.requires_grad_(False)
+            self.backend = create_backend(self.model, recipe.learner, recipe.trainer.steps)
         self.rows = load_train_rows(recipe)
         self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
-        self.backend = create_backend(self.model, recipe.learner, recipe.trainer.steps)
         self.timer = StageTimer()
         self.grid = recipe.budget.grid()
         self.probs = recipe.budget.prior_probs()
@@ -193,8 +204,12 @@ class Trainer:
         self.timer = StageTimer()
         batch, metrics = self._rollout_batch(step)
         with self.timer.stage("logprob"):
-            mine = [row for row in batch.rows if row.prompt_index % self.world == self.rank]
-            fill_logprobs(self.model, mine, self.recipe.learner.micro_batch_tokens, self.pad_id)
+            if self.pipelined:  # no data-parallel split: every pipeline rank sees every row
+                mine = batch.rows
+                self.backend.fill_logprobs(mine, self.pad_id)
+            else:
+                mine = [row for row in batch.rows if row.prompt_index % self.world == self.rank]
+                fill_logprobs(self.model, mine, self.recipe.learner.micro_batch_tokens, self.pad_id)
             metrics["train/logprob_mismatch"] = logprob_mismatch(mine)
         with self.timer.stage("update"):
             stats = ppo_update(self.backend, batch, self.recipe.algorithm, self.recipe.learner, self.pad_id,
@@ -212,6 +227,8 @@ class Trainer:
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
         t = time.perf_counter()
+        if self.pipelined:  # each stage's optimizer state goes to rank 0, which writes the checkpoint
+            self.backend.prepare_checkpoint()
         path = ckpt.save_checkpoint(self.out / "checkpoints", step, self.model, self.tokenizer, self.backend,
                                     {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
                                     self.recipe.trainer.keep_last)

@@ -76,7 +76,13 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
 
     With several data-parallel ranks every rank holds the rows of its own prompts; ranks pad with
     empty micro-batches so they run the same number of backward passes (ZeRO reduces inside them).
+    A pipelined backend (`learner.pipeline.stages > 1`) runs the mini-batches itself, every rank
+    on all rows.
     """
+    if getattr(backend, "pipelined", False):
+        if ref_model is not None and algo.kl_coef != 0.0:
+            raise ValueError("the pipelined learner has no reference-model KL term; set algorithm.kl_coef: 0")
+        return backend.ppo_update(batch, algo, cfg, pad_id)
     model = backend.model
     device = next(model.parameters()).device
     rank, world = _rank_world()

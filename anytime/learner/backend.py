@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,14 @@ class DeepSpeedBackend:
         import deepspeed
 
         if not dist.is_initialized():
+            if "RANK" not in os.environ:  # a single process not started by a launcher: a world of one
+                import socket
+
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port))
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         self.cfg = cfg
         ds_config: dict[str, Any] = {

@@ -102,7 +102,11 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
             num_tokens = sum(batch.tokens_per_prompt.get(p, 0) for p in mine)
             num_traces = len(mine) * batch.traces_per_prompt
             micro = pack_micro_batches(rows, cfg.micro_batch_tokens)
-            micro += [[dummy]] * (_max_across_ranks(len(micro)) - len(micro))
+            most = _max_across_ranks(len(micro))
+            if most == 0:  # every advantage in this mini-batch is zero: nothing to learn, no step
+                stats["empty_minibatches"].append(1.0)
+                continue
+            micro += [[dummy]] * (most - len(micro))
             bad = False
             for index, mb in enumerate(micro):
                 tensors = collate(mb, pad_id, device)
@@ -138,6 +142,7 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
             stats["grad_norm"].append(result.grad_norm)
             stats["lr"].append(result.lr)
             stats["skipped_updates"].append(1.0 if result.skipped else 0.0)
-    out = {k: (sum(v) if k == "skipped_updates" else sum(v) / len(v)) for k, v in stats.items() if v}
+    out = {k: (sum(v) if k in ("skipped_updates", "empty_minibatches") else sum(v) / len(v))
+           for k, v in stats.items() if v}
     out.setdefault("skipped_updates", 0.0)
     return out

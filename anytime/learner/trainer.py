@@ -28,20 +28,14 @@ from anytime.learner import checkpoint as ckpt
 from anytime.learner.backend import create_backend
 from anytime.learner.batch import TrainBatch, build_train_batch
 from anytime.learner.metrics import MetricsLogger, StageTimer
-from anytime.learner.update import fill_logprobs, logprob_mismatch, ppo_update
+from anytime.learner.update import fill_logprobs, logprob_mismatch, ppo_update, rank_world
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _broadcast(obj: Any) -> Any:
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -64,7 +58,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.recipe = recipe
-        self.rank, self.world = _rank_world()
+        self.rank, self.world = rank_world()
         self.out = Path(recipe.trainer.output_dir)
         self.model_path = model_path
         seed = recipe.trainer.seed

@@ -16,14 +16,15 @@ from anytime.config import AlgorithmConfig, LearnerConfig
 from anytime.learner.batch import TrainBatch, TrainRow, collate, pack_micro_batches
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the learner group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _max_across_ranks(value: int) -> int:
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return value
     t = torch.tensor([value], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -85,7 +86,7 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
         return backend.ppo_update(batch, algo, cfg, pad_id)
     model = backend.model
     device = next(model.parameters()).device
-    rank, world = _rank_world()
+    rank, world = rank_world()
     stats: dict[str, list[float]] = defaultdict(list)
     by_prompt: dict[int, list[TrainRow]] = defaultdict(list)
     for row in batch.rows:

@@ -124,11 +124,8 @@ class PipelinedBackend:
         for _ in range(cfg.ppo_epochs):
             for rows, num_tokens, num_traces in mini_batches(batch, cfg.mini_batch_prompts):
                 lr = self.optimizer.param_groups[0]["lr"]
-                if not rows:  # nothing trainable: the unpipelined update steps on no gradients
-                    self.scheduler.step()
-                    stats["grad_norm"].append(0.0)
-                    stats["lr"].append(lr)
-                    stats["skipped_updates"].append(0.0)
+                if not rows:  # every advantage is zero: nothing to learn, no step (as `update.ppo_update`)
+                    stats["empty_minibatches"].append(1.0)
                     continue
                 kwargs: dict[str, Any] = {"agg": algo.loss_agg, "clip_low": algo.clip_low,
                                           "clip_high": algo.clip_high, "num_tokens": max(num_tokens, 1),
@@ -149,7 +146,8 @@ class PipelinedBackend:
                 stats["grad_norm"].append(m["grad_norm"])
                 stats["lr"].append(lr)
                 stats["skipped_updates"].append(0.0)
-        out = {k: (sum(v) if k == "skipped_updates" else sum(v) / len(v)) for k, v in stats.items() if v}
+        out = {k: (sum(v) if k in ("skipped_updates", "empty_minibatches") else sum(v) / len(v))
+               for k, v in stats.items() if v}
         out.setdefault("skipped_updates", 0.0)
         return out
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig, RecipeError, load_recipe
 from anytime.learner.batch import TrainBatch, TrainRow
-from anytime.learner.pipelined import mini_batches
+from anytime.learner.batch import mini_batches
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -9,7 +9,8 @@ counted before dropping so the loss is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,26 @@ def build_train_batch(rollout: AnytimeRollout, thinking_adv: torch.Tensor, summa
         rows = [r for r in rows if any(a != 0.0 for a in r.advantages)]
     G = len(rollout.traces[0]) if rollout.traces else 0
     return TrainBatch(rows, len(rollout.prompts), sum(len(t) for t in rollout.traces), max_len, tokens, G)
+
+
+def padding_row(pad_id: int) -> TrainRow:
+    """Two tokens, attended, nothing trained: its loss and gradient terms are exact zeros. Used to
+    give every rank (or every pipeline microbatch) the same number of rows/passes."""
+    return TrainRow([pad_id, pad_id], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], -1, "pad", [0.0])
+
+
+def mini_batches(batch: TrainBatch, prompts_per_mini: int, rank: int = 0,
+                 world: int = 1) -> Iterator[tuple[list[TrainRow], int, int]]:
+    """(rows, trainable tokens, traces) of each PPO mini-batch: consecutive groups of
+    `prompts_per_mini` prompts, of which this data-parallel `rank` keeps prompts p % world == rank."""
+    by_prompt: dict[int, list[TrainRow]] = defaultdict(list)
+    for row in batch.rows:
+        by_prompt[row.prompt_index].append(row)
+    per_mini = max(1, prompts_per_mini)
+    for start in range(0, batch.num_prompts, per_mini):
+        mine = [p for p in range(start, min(start + per_mini, batch.num_prompts)) if p % world == rank]
+        rows = [r for p in mine for r in by_prompt.get(p, [])]
+        yield rows, sum(batch.tokens_per_prompt.get(p, 0) for p in mine), len(mine) * batch.traces_per_prompt
 
 
 def pack_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list[TrainRow]]:

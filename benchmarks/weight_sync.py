@@ -51,18 +51,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model_dir = args.model
-    if model_dir is None:
-        corpus = [f"{a} plus {b} is {a + b}" for a in range(50) for b in range(50)]
-        model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="weight-sync-"), corpus, hidden_size=576,
-                                         num_layers=30, num_heads=9, num_kv_heads=3, vocab_size=49152,
-                                         intermediate_size=1536))
-    from transformers import AutoModelForCausalLM
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as scratch:  # the built model is 650 MB
+        model_dir = args.model
+        if model_dir is None:
+            corpus = [f"{a} plus {b} is {a + b}" for a in range(50) for b in range(50)]
+            model_dir = str(build_tiny_model(scratch, corpus, hidden_size=576, num_layers=30, num_heads=9,
+                                             num_kv_heads=3, vocab_size=49152, intermediate_size=1536))
+        from transformers import AutoModelForCausalLM
 
-    state = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
-    print(f"weights_mb: {sum(t.numel() * t.element_size() for _, t in state) / 1e6:.0f}")
-    inproc = _time_updates(model_dir, False, state, args.repeats)
-    own = _time_updates(model_dir, True, state, args.repeats)
+        state = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
+        print(f"weights_mb: {sum(t.numel() * t.element_size() for _, t in state) / 1e6:.0f}")
+        inproc = _time_updates(model_dir, False, state, args.repeats)
+        own = _time_updates(model_dir, True, state, args.repeats)
     print(f"sync_s_in_process: {inproc:.3f}")
     print(f"sync_s_own_process: {own:.3f}")
     print(f"own_over_in_process: {own / inproc:.2f}")

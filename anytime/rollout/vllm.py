@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -109,14 +109,14 @@ def _inside_process_group() -> bool:
         torch.distributed.get_world_size() > 1)
 
 
-class _LauncherEnvHidden:
+@contextlib.contextmanager
+def _launcher_env_hidden() -> Iterator[None]:
     """Hide torchrun's variables from a child process started inside the block."""
-
-    def __enter__(self) -> None:
-        self._saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
-
-    def __exit__(self, *exc: object) -> None:
-        os.environ.update(self._saved)
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _head_dim(config: Any) -> int:
@@ -227,7 +227,7 @@ class VLLMEngine(RolloutEngine):
         # A previous engine in this process froze vLLM's environment; read the settings above afresh.
         envs.disable_envs_cache()
         try:
-            with _LauncherEnvHidden():
+            with _launcher_env_hidden():
                 self._llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e

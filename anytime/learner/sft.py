@@ -44,7 +44,9 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     cfg = recipe.sft
     torch.manual_seed(recipe.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # float64 when the recipe asks for it (exactness tests); otherwise float32, also for bf16 recipes
+    dtype = torch.float64 if recipe.model.dtype == "float64" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     pairs = synthetic_sft_pairs(recipe, tokenizer, recipe.data.synthetic_size, recipe.trainer.seed + 17)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", cfg.warmup_steps, cfg.steps))

@@ -204,7 +204,7 @@ class Trainer:
             else:
                 mine = [row for row in batch.rows if row.prompt_index % self.world == self.rank]
                 fill_logprobs(self.model, mine, self.recipe.learner.micro_batch_tokens, self.pad_id)
-            metrics["train/logprob_mismatch"] = logprob_mismatch(mine)
+            metrics["train/logprob_mismatch"] = logprob_mismatch(mine, across_ranks=not self.pipelined)
         with self.timer.stage("update"):
             stats = ppo_update(self.backend, batch, self.recipe.algorithm, self.recipe.learner, self.pad_id,
                                self.ref_model)

@@ -58,8 +58,9 @@ def fill_logprobs(model: torch.nn.Module, rows: Sequence[TrainRow], token_budget
     model.train(was_training)
 
 
-def logprob_mismatch(rows: Sequence[TrainRow]) -> float:
-    """Mean |learner − rollout| log-prob over trained tokens (engine/learner numerics drift)."""
+def logprob_mismatch(rows: Sequence[TrainRow], across_ranks: bool = False) -> float:
+    """Mean |learner − rollout| log-prob over trained tokens (engine/learner numerics drift), over
+    the rows of every data-parallel rank when `across_ranks`."""
     total, count = 0.0, 0
     for r in rows:
         if r.old_logprobs is None:
@@ -68,7 +69,20 @@ def logprob_mismatch(rows: Sequence[TrainRow]) -> float:
             if m:
                 total += abs(old - roll)
                 count += 1
+    if across_ranks:
+        total, count = _sum_across_ranks([total, float(count)])
     return total / max(count, 1)
+
+
+_WEIGHTED_STATS = ("clip_frac", "approx_kl", "ratio_mean", "entropy", "kl_ref")
+
+
+def _sum_across_ranks(values: list[float]) -> list[float]:
+    if rank_world()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: LearnerConfig, pad_id: int,
@@ -79,6 +93,11 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
     empty micro-batches so they run the same number of backward passes (ZeRO reduces inside them).
     A pipelined backend (`learner.pipeline.stages > 1`) runs the mini-batches itself, every rank
     on all rows.
+
+    Statistics are per optimizer step and then averaged over steps: `loss` is the step's loss (the
+    mean over data-parallel ranks of each rank's normalised loss, as the averaged gradients are),
+    `tokens` the trained tokens of the step over all ranks, and clip_frac / approx_kl / ratio_mean /
+    entropy / kl_ref token-weighted means over them; so they do not depend on micro-batching.
     """
     if getattr(backend, "pipelined", False):
         if ref_model is not None and algo.kl_coef != 0.0:
@@ -99,6 +118,8 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
                 continue
             micro += [[dummy]] * (most - len(micro))
             bad = False
+            step_loss, step_tokens = 0.0, 0.0
+            weighted = dict.fromkeys(_WEIGHTED_STATS, 0.0)
             for index, mb in enumerate(micro):
                 tensors = collate(mb, pad_id, device)
                 lp, ent = forward_logprobs(model, tensors, with_entropy=True)
@@ -120,18 +141,27 @@ def ppo_update(backend: Any, batch: TrainBatch, algo: AlgorithmConfig, cfg: Lear
                     bad = True
                     break
                 backend.backward(loss, last=index == len(micro) - 1)
-                if st["tokens"] > 0:
-                    for k, v in st.items():
-                        stats[k].append(v)
-                stats["loss"].append(float(loss.detach()))
+                step_loss += float(loss.detach())
+                step_tokens += st["tokens"]
+                for k in _WEIGHTED_STATS:
+                    weighted[k] += st.get(k, 0.0) * st["tokens"]
             if bad:
                 backend.zero_grad()
                 stats["skipped_updates"].append(1.0)
                 continue
             result = backend.step()
+            stats["skipped_updates"].append(1.0 if result.skipped else 0.0)
+            if result.skipped:
+                continue
+            sums = _sum_across_ranks([step_loss, step_tokens, *weighted.values()])
+            stats["loss"].append(sums[0] / world)
             stats["grad_norm"].append(result.grad_norm)
             stats["lr"].append(result.lr)
-            stats["skipped_updates"].append(1.0 if result.skipped else 0.0)
+            if sums[1] > 0:
+                stats["tokens"].append(sums[1])
+                for k, v in zip(_WEIGHTED_STATS, sums[2:]):
+                    if k != "kl_ref" or ref_lp is not None:
+                        stats[k].append(v / sums[1])
     out = {k: (sum(v) if k in ("skipped_updates", "empty_minibatches") else sum(v) / len(v))
            for k, v in stats.items() if v}
     out.setdefault("skipped_updates", 0.0)

@@ -28,7 +28,7 @@ from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingCo
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Keys/values of one sequence: per layer, ([kv_heads, length, head_dim], [kv_heads, length, head_dim]).
 RowKV = list[tuple[torch.Tensor, torch.Tensor]]

@@ -48,15 +48,16 @@ def load_registry(path: Path | None = None) -> dict[str, Benchmark]:
 
 
 def load_benchmark(name: str, *, data_dir: str | Path | None = None, limit: int | None = None,
-                   seed: int = 0) -> list[PromptRow]:
-    """Rows of a registered benchmark, from `data_dir` when given, else from the hub."""
+                   seed: int = 0, synthetic_ops: tuple[int, int] = (3, 6)) -> list[PromptRow]:
+    """Rows of a registered benchmark, from `data_dir` when given, else from the hub. `synthetic`
+    draws `limit` (default 200) held-out problems with `synthetic_ops` (min, max) operations."""
     registry = load_registry()
     if name not in registry:
         raise DataError(f"unknown benchmark {name!r}; available: {', '.join(sorted(registry))}")
     if name == SYNTHETIC:
         from anytime.data import SYNTHETIC_EVAL_SEED
 
-        return synthetic_rows(limit or 200, SYNTHETIC_EVAL_SEED + seed, 3, 6)
+        return synthetic_rows(limit or 200, SYNTHETIC_EVAL_SEED + seed, *synthetic_ops)
     b = registry[name]
     if data_dir is not None:
         if b.local is None:

@@ -2,15 +2,12 @@
 
 A *grid* is a strictly increasing list of token budgets b_1 < ... < b_m; a *prior* p_B puts mass
 P_j on each b_j. Training cuts every trace at every budget of the grid and weights the budget
-rewards by the prior (as the paper's code does); `sample_budget_indices` draws budgets from the
-prior for the occasions where one budget per trace is wanted.
+rewards by the prior (as the paper's code does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 PRIOR_NAMES = ("base", "uniform", "linear", "explicit")
 
@@ -50,15 +47,18 @@ def parse_grid(spec: str | Sequence[int]) -> list[int]:
     return grid
 
 
-def validate_grid(grid: Sequence[int], max_thinking: int | None = None) -> None:
-    if not grid:
-        raise ValueError("the budget grid is empty; give at least one budget")
+def validate_grid(grid: Sequence[int], max_thinking: int | None = None, name: str = "budgets",
+                  limit_name: str = "max_thinking") -> None:
+    """The one check of a budget grid (recipes, the rollout, the eval CLI): non-empty, positive,
+    strictly increasing, and not past the thinking limit; messages name `name` and `limit_name`."""
+    if len(grid) == 0:
+        raise ValueError(f"{name} is empty; give at least one budget")
     if any(b <= 0 for b in grid):
-        raise ValueError(f"budgets must be positive token counts, got {list(grid)}")
+        raise ValueError(f"{name} must be positive token counts, got {list(grid)}")
     if any(b >= c for b, c in zip(grid, grid[1:])):
-        raise ValueError(f"budgets must be strictly increasing, got {list(grid)}")
+        raise ValueError(f"{name} must be strictly increasing, got {list(grid)}")
     if max_thinking is not None and grid[-1] > max_thinking:
-        raise ValueError(f"largest budget {grid[-1]} exceeds max_thinking {max_thinking}")
+        raise ValueError(f"{name} ends at {grid[-1]}, above {limit_name} = {max_thinking}")
 
 
 def prior_probs(prior: str, grid: Sequence[int], probs: Sequence[float] | None = None) -> list[float]:
@@ -85,11 +85,6 @@ def validate_probs(probs: Sequence[float]) -> None:
         raise ValueError(f"prior probabilities must be non-negative, got {list(probs)}")
     if abs(sum(probs) - 1.0) > 1e-6:
         raise ValueError(f"prior probabilities must sum to 1, got sum {sum(probs):.6g}")
-
-
-def sample_budget_indices(probs: Sequence[float], num: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw `num` budget indices from the prior."""
-    return torch.multinomial(torch.tensor(probs, dtype=torch.float64), num, replacement=True, generator=generator)
 
 
 def anytime_score(accuracies: Sequence[float], probs: Sequence[float] | None = None) -> float:

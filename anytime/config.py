@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from anytime.budget import even_grid, prior_probs
+from anytime import defaults
+from anytime.budget import even_grid, prior_probs, validate_grid
 
 
 class RecipeError(ValueError):
@@ -43,7 +44,7 @@ class DataConfig:
     split: str = "train"
     problem_key: str = "problem"
     answer_key: str = "answer"
-    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
+    instruction: str = defaults.INSTRUCTION
     max_prompt_len: int = 1024
     shuffle: bool = True
     limit: int | None = None          # use only the first N rows (after shuffling)
@@ -62,7 +63,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_model_len: int | None = None    # default: prompt + thinking + summary
     gpu_memory_utilization: float = 0.6
-    enable_sleep: bool = False
+    enable_sleep: bool = False           # engine sleeps during the learner update, wakes for the weight sync (GPU)
 
 
 @dataclass
@@ -83,10 +84,10 @@ class BudgetConfig:
 @dataclass
 class SummaryConfig:
     n: int = 4                          # A summaries per budget
-    max_tokens: int = 118               # paper: 128 minus the ~10 inserted tokens
-    close_text: str = "\n\n...\n\n</think>"
-    header: str = "\n\n**Final Answer**\n"
-    think_end: str = "</think>"
+    max_tokens: int = defaults.SUMMARY_MAX_TOKENS   # paper: 128 minus the ~10 inserted tokens
+    close_text: str = defaults.CLOSE_TEXT
+    header: str = defaults.HEADER
+    think_end: str = defaults.THINK_END
     temperature: float = 1.0
     estimator: Literal["brpo", "grpo"] = "brpo"
     loss_weight: float = 1.0
@@ -174,6 +175,7 @@ class EvalConfig:
     limit: int | None = None            # problems per benchmark
     temperature: float = 0.6
     top_p: float = 0.95
+    seed: int = 12345                   # sampling seed of the held-out eval (fixed across steps)
 
 
 @dataclass
@@ -340,19 +342,20 @@ def _require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
+def _check_grid(key: str, grid: list[int], max_thinking: int) -> None:
+    try:
+        validate_grid(grid, max_thinking, name=f"`{key}`", limit_name="`budget.max_thinking`")
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
 def validate(r: Recipe) -> None:
     """Cross-field checks, each naming the key to change."""
     b = r.budget
     _require(b.max_thinking > 0, f"`budget.max_thinking` must be positive, got {b.max_thinking}")
     _require(b.num_budgets > 0, f"`budget.num_budgets` must be positive, got {b.num_budgets}")
     if b.budgets is not None:
-        _require(len(b.budgets) > 0, "`budget.budgets` is empty; list at least one budget or remove the key")
-        _require(all(x > 0 for x in b.budgets), f"`budget.budgets` must be positive token counts, got {b.budgets}")
-        _require(all(x < y for x, y in zip(b.budgets, b.budgets[1:])),
-                 f"`budget.budgets` must be strictly increasing, got {b.budgets}")
-        _require(b.budgets[-1] <= b.max_thinking,
-                 f"`budget.budgets` ends at {b.budgets[-1]}, above `budget.max_thinking` = {b.max_thinking}; "
-                 "raise max_thinking or lower the budgets")
+        _check_grid("budget.budgets", b.budgets, b.max_thinking)
     else:
         _require(b.num_budgets <= b.max_thinking,
                  f"`budget.num_budgets` ({b.num_budgets}) cannot exceed `budget.max_thinking` ({b.max_thinking})")
@@ -397,11 +400,7 @@ def validate(r: Recipe) -> None:
                  f"`rollout.max_model_len` ({r.rollout.max_model_len}) is below max_prompt_len + max_thinking "
                  f"({need}); raise it or lower `budget.max_thinking`")
     if r.eval.budgets is not None:
-        ev = r.eval.budgets
-        _require(len(ev) > 0 and all(x > 0 for x in ev) and all(x < y for x, y in zip(ev, ev[1:])),
-                 f"`eval.budgets` must be positive and strictly increasing, got {ev}")
-        _require(ev[-1] <= b.max_thinking,
-                 f"`eval.budgets` ends at {ev[-1]}, above `budget.max_thinking` = {b.max_thinking}")
+        _check_grid("eval.budgets", r.eval.budgets, b.max_thinking)
     _validate_pipeline(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anytime import synthetic
+from anytime import defaults, synthetic
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 SYNTHETIC_TRAIN_SEED, SYNTHETIC_EVAL_SEED = 1_000, 9_999_999
 
@@ -110,11 +109,11 @@ def load_rows(source: str, *, split: str = "train", problem_key: str = "problem"
     return rows[:limit] if limit is not None else rows
 
 
-def user_message(problem: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
+def user_message(problem: str, instruction: str = defaults.INSTRUCTION) -> str:
     return f"{problem} {instruction}".strip()
 
 
-def render_prompt(tokenizer: Any, problem: str, instruction: str = DEFAULT_INSTRUCTION) -> list[int]:
+def render_prompt(tokenizer: Any, problem: str, instruction: str = defaults.INSTRUCTION) -> list[int]:
     """Token ids of the chat-templated prompt with the generation prompt appended."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": user_message(problem, instruction)}],

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from anytime.budget import anytime_score, area_under_curve, parse_grid
-from anytime.data import DEFAULT_INSTRUCTION, PromptRow, encode_prompts
+from anytime import defaults
+from anytime.data import PromptRow, encode_prompts
 from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate_rows(runner: AnytimeRolloutRunner, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
-                  instruction: str = DEFAULT_INSTRUCTION, max_prompt_len: int = 1024, batch_prompts: int = 32,
+                  instruction: str = defaults.INSTRUCTION, max_prompt_len: int = 1024, batch_prompts: int = 32,
                   seed: int = 0, probs: Sequence[float] | None = None,
                   on_batch: Callable[[int], None] | None = None,
                   limit_name: str = "data.max_prompt_len") -> dict[str, Any]:
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="250:8000:250", help="START:STOP:STEP or a comma list")
     parser.add_argument("--samples", type=int, default=1, help="thinking traces per problem")
     parser.add_argument("--summaries", type=int, default=1, help="summaries per budget")
-    parser.add_argument("--summary-max-tokens", type=int, default=118)
+    parser.add_argument("--summary-max-tokens", type=int, default=defaults.SUMMARY_MAX_TOKENS)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--data-dir", default=None, help="local benchmark files instead of the hub")
@@ -97,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-len", type=int, default=1024)
     parser.add_argument("--batch-prompts", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
-    parser.add_argument("--close-text", default="\n\n...\n\n</think>")
-    parser.add_argument("--header", default="\n\n**Final Answer**\n")
+    parser.add_argument("--instruction", default=defaults.INSTRUCTION)
+    parser.add_argument("--close-text", default=defaults.CLOSE_TEXT)
+    parser.add_argument("--header", default=defaults.HEADER)
 
 
 def _model_max_len(path: str) -> int | None:
@@ -109,6 +110,15 @@ def _model_max_len(path: str) -> int | None:
         return int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0)) or None
     except OSError as exc:
         raise FileNotFoundError(f"model {path!r} not found (neither a local folder nor a reachable hub name): {exc}") from None
+
+
+def _summary_room(model: str, args: argparse.Namespace) -> int:
+    """Tokens a summary request adds after the thinking: the inserted close and header, and the summary."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    inserted = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (args.close_text, args.header))
+    return inserted + args.summary_max_tokens
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,10 +133,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     data = {name: load_benchmark(name, data_dir=args.data_dir, limit=args.limit, seed=args.seed) for name in names}
-    extra = 16 + args.summary_max_tokens
-    max_len_needed = args.max_prompt_len + budgets[-1] + extra
     for model in args.model:  # fail before any generation
         limit = _model_max_len(model)
+        extra = _summary_room(model, args)
         if limit is not None and budgets[-1] + extra > limit:
             raise ValueError(f"largest budget {budgets[-1]} (+{extra} summary tokens) exceeds model {model!r}'s "
                              f"max length {limit}; lower --budgets")
@@ -138,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         for model in args.model:
             tokenizer = AutoTokenizer.from_pretrained(model)
             limit = _model_max_len(model)
+            max_len_needed = args.max_prompt_len + budgets[-1] + _summary_room(model, args)
             engine_len = min(max_len_needed, limit) if limit else max_len_needed
             settings = AnytimeSettings(tuple(budgets), args.samples, args.summaries, args.summary_max_tokens,
                                        close_text=args.close_text, header=args.header, temperature=args.temperature,

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from anytime import defaults
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a step_N checkpoint folder, a DeepSpeed checkpoint or a HF folder")
     parser.add_argument("--out", required=True, help="output folder (must be empty unless --force)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default=None, choices=defaults.DTYPE_NAMES,
                         help="cast the weights (default: keep the checkpoint's dtype)")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max abs log-prob difference allowed")
 
@@ -40,6 +42,9 @@ def learner_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if ds_dir.is_dir() and any(ds_dir.glob("*optim_states.pt")) and any(ds_dir.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        from anytime.learner.checkpoint import check_deepspeed_files
+
+        check_deepspeed_files(ds_dir)  # DeepSpeed's reader unpickles: refuse files that would run code
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
     from safetensors.torch import load_file
 
@@ -55,7 +60,7 @@ def learner_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _fixed_batch(tokenizer: Any, vocab: int) -> torch.Tensor:
     texts = ["Start with 3. Add 4, add 5. What is the last digit of the result?",
-             "Let's think step by step and output the final answer within \\boxed{}."]
+             defaults.INSTRUCTION]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:32] for t in texts]
     n = min(len(x) for x in ids)
     batch = torch.tensor([x[:n] for x in ids])

@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from anytime import defaults
+
 FILLER_LINES = ("hmm, let me check.", "wait, go on.", "ok, next one.")
 
 
@@ -53,8 +55,8 @@ def make_problems(size: int, seed: int, min_ops: int = 3, max_ops: int = 6) -> l
             for _ in range(size)]
 
 
-def sft_completion(problem: ChainProblem, rng: random.Random, filler: float, think_end: str = "</think>",
-                   header: str = "\n\n**Final Answer**\n") -> str:
+def sft_completion(problem: ChainProblem, rng: random.Random, filler: float, think_end: str = defaults.THINK_END,
+                   header: str = defaults.HEADER) -> str:
     """The assistant text after the `<think>\\n` generation prompt: thinking, close, answer."""
     return f"{problem.thinking(rng, filler)}{think_end}{header}\\boxed{{{problem.answer}}}"
 
@@ -64,6 +66,6 @@ def corpus(size: int = 2000, seed: int = 12345) -> list[str]:
     rng = random.Random(seed)
     texts = []
     for p in make_problems(size, seed, 1, 8):
-        texts.append(p.problem + " Let's think step by step and output the final answer within \\boxed{}.")
+        texts.append(p.problem + " " + defaults.INSTRUCTION)
         texts.append(sft_completion(p, rng, 0.5) + "\n\n...\n\n")
     return texts

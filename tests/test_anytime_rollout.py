@@ -3,12 +3,11 @@ prompt + thinking[:b] + close + header, budgets past a trace's end share one pro
 have shape [B, G, S, A]."""
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from anytime.data import render_prompt
 from anytime.reward import RewardScorer
-from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings, Trace, token_id_of
+from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
 from anytime.rollout.engine import create_engine
 
 
@@ -50,22 +49,26 @@ def test_summary_prompts_token_for_token(setup):
     header = tok(settings.header, add_special_tokens=False)["input_ids"]
     k = 0
     for b, prompt in enumerate(prompts):
-        for g, trace in enumerate(out.traces[b]):
-            assert len(trace.token_ids) <= 24 and len(trace.logprobs) == len(trace.token_ids)
+        assert out.prompt_ids[b, : out.prompt_len[b]].tolist() == prompt
+        for g in range(2):
+            n = int(out.think_len[b, g])
+            trace = out.think_ids[b, g, :n].tolist()
+            assert n <= 24 and not out.think_ids[b, g, n:].any()
+            natural, eos = bool(out.natural_end[b, g]), bool(out.eos_end[b, g])
             for j, budget in enumerate(out.budgets):
-                if trace.natural_end and len(trace.token_ids) <= budget:
-                    expected = prompt + trace.token_ids + header
+                if natural and n <= budget:
+                    expected = prompt + trace + header
                 else:  # cut (an EOS that stopped the trace is dropped, and the cut is scored 0)
-                    content = len(trace.token_ids) - (1 if trace.eos_end else 0)
-                    expected = prompt + trace.token_ids[:min(budget, content)] + close + header
+                    expected = prompt + trace[:min(budget, n - (1 if eos else 0))] + close + header
                 assert engine.branch_prompts[k][j] == expected
-                for s in out.summaries[b][g][j]:
-                    assert s.inserted_ids == expected[len(prompt) + s.cut:]
-                    assert s.verdict.reason in ("correct", "wrong", "no_answer", "bad_format", "timeout", "error")
-                    assert len(s.token_ids) <= 6
-                    if trace.eos_end and s.cut >= len(trace.token_ids) - 1:
-                        assert s.verdict.score == 0.0
+                assert out.inserted_ids(b, g, j) == expected[len(prompt) + int(out.cut[b, g, j]):]
+                for a in range(3):
+                    assert 1 <= out.summary_len[b, g, j, a] <= 6
+                    if eos and out.cut[b, g, j] >= n - 1:
+                        assert out.scores[b, g, j, a] == 0.0
             k += 1
+    assert set(out.failure_reasons()) <= {"correct", "wrong", "no_answer", "bad_format", "timeout", "error"}
+    assert sum(out.failure_reasons().values()) == len(out.texts) == len(out.answers) == 2 * 2 * 3 * 3
     assert set(out.timings) == {"gen", "summaries", "reward"}
     assert 0.0 <= out.budget_scores.min() and out.budget_scores.max() <= 1.0
 
@@ -73,15 +76,14 @@ def test_summary_prompts_token_for_token(setup):
 def test_traces_that_end_early_share_one_summary_prompt(setup):
     tok, engine, scorer = setup
     runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 8, 12, 16), 1, 2, 4))
-    end = token_id_of(tok, "</think>")
-    trace = Trace([20, 21, 22, 23, 24, end], [0.0] * 6, natural_end=True)
-    branches, groups = runner.summary_plan(trace, [4, 8, 12, 16])
+    branches, groups = runner.summary_plan(6, True, False, [4, 8, 12, 16])  # 6 tokens, the last </think>
     assert groups == [0, 1, 1, 1]
     assert branches[0].cut == 4 and list(branches[0].suffix) == runner.close_ids + runner.header_ids
     assert all(br.cut == 6 and list(br.suffix) == runner.header_ids for br in branches[1:])
-    cut_trace = Trace([20] * 16, [0.0] * 16, natural_end=False)
-    branches, groups = runner.summary_plan(cut_trace, [4, 8, 12, 16])
+    branches, groups = runner.summary_plan(16, False, False, [4, 8, 12, 16])
     assert groups == [0, 1, 2, 3] and [b.cut for b in branches] == [4, 8, 12, 16]
+    branches, groups = runner.summary_plan(6, False, True, [4, 8, 12, 16])  # stopped on EOS at token 6
+    assert [b.cut for b in branches] == [4, 5, 5, 5] and groups == [0, 1, 1, 1]
 
 
 def test_budget_past_the_engine_length_fails_before_generation(setup):
@@ -97,12 +99,11 @@ def test_budget_past_the_engine_length_fails_before_generation(setup):
 def test_summary_text_is_scored_for_natural_and_forced_ends(setup):
     tok, engine, scorer = setup
     runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 16), 1, 1, 8))
-    end = token_id_of(tok, "</think>")
     answer = tok("\\boxed{7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    natural = Trace(tok("1: 3+4=7\n", add_special_tokens=False)["input_ids"] + [end], [0.0] * 10, natural_end=True)
-    branches, _ = runner.summary_plan(natural, [4, 16])
-    texts = [runner.summary_text(natural, br, answer) for br in branches]
+    length = len(tok("1: 3+4=7\n", add_special_tokens=False)["input_ids"]) + 1  # + its own </think>
+    branches, _ = runner.summary_plan(length, True, False, [4, 16])
+    texts = [runner.summary_text(br.cut == length, br, answer) for br in branches]
     assert texts[0].startswith("\n\n...\n\n</think>") and texts[1].startswith("</think>\n\n**Final Answer**")
     assert [v.score for v in scorer.score(texts, ["7", "7"])] == [1.0, 1.0]
-    twice = runner.summary_text(natural, branches[1], tok("</think>\\boxed{7}", add_special_tokens=False)["input_ids"])
+    twice = runner.summary_text(True, branches[1], tok("</think>\\boxed{7}", add_special_tokens=False)["input_ids"])
     assert scorer.score([twice], ["7"])[0].reason == "bad_format"  # a second </think> breaks the format rule

@@ -1,10 +1,8 @@
 """The DeepSpeed learner, launched by `anytime train` itself in 2 processes (gloo on the CPU)."""
 
 import importlib.util
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

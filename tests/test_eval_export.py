@@ -50,14 +50,14 @@ def test_export_of_a_learner_checkpoint(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from anytime.config import LearnerConfig
-    from anytime.learner.backend import TorchBackend
     from anytime.learner.checkpoint import save_checkpoint
+    from anytime.learner.data_parallel import TorchLearner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         next(model.parameters()).add_(0.5)
-    step = save_checkpoint(tmp_path / "ckpts", 7, model, AutoTokenizer.from_pretrained(tiny_model_dir),
-                           TorchBackend(model, LearnerConfig(), 10), {}, keep_last=2)
+    step = save_checkpoint(tmp_path / "ckpts", 7, TorchLearner(model, LearnerConfig(), 10),
+                           AutoTokenizer.from_pretrained(tiny_model_dir), {}, keep_last=2)
     out, diff = export_checkpoint(step, tmp_path / "hf")
     assert diff <= 1e-5
     state = learner_state_dict(step)

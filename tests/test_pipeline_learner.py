@@ -1,8 +1,8 @@
 """The pipelined learner inside the RL trainer (`learner.pipeline.stages > 1`).
 
 The decisive check: one RL update (log-probs of the rollout, then PPO mini-batch steps) on 2
-pipeline ranks leaves exactly the weights (fp64, <= 1e-10) and statistics of the unpipelined
-`ppo_update` on one process; plus a checkpoint round trip of every stage's optimizer state, the
+pipeline ranks leaves exactly the weights (fp64, <= 1e-10) and statistics of the torch learner
+on one process, through the same `ppo_update`; plus a checkpoint round trip of every stage's optimizer state, the
 recipe checks, and `anytime train` end to end with a 2-stage learner.
 """
 
@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig, RecipeError, load_recipe
-from anytime.learner.batch import TrainBatch, TrainRow
-from anytime.learner.batch import mini_batches
+from anytime.learner.batch import TrainBatch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -54,22 +53,32 @@ def _model_dir(root: Path, tied: bool) -> str:
 
 
 def _train_batch(seed: int = 0) -> TrainBatch:
-    """5 prompts x 2 traces, a few summary rows, varied lengths; prompt 4's rows were all dropped
+    """5 prompts x 3 rows (2 thinking, 1 summary), varied lengths; prompt 4's rows were all dropped
     (zero advantage), so its mini-batch is empty; tokens per prompt counted before dropping."""
     rng = random.Random(seed)
-    rows, tokens = [], {}
+    rows, tokens = [], [0] * 5
     for p in range(5):
         n_prompt = rng.randint(2, 4)
         for kind in ("thinking", "thinking", "summary"):
             n = rng.randint(3, 11)
-            mask = [0.0] * n_prompt + [1.0] * n
-            tokens[p] = tokens.get(p, 0) + n
+            tokens[p] += n
             if p == 4:
                 continue
-            rows.append(TrainRow([rng.randrange(1, VOCAB) for _ in range(n_prompt + n)], mask,
-                                 [0.0] * n_prompt + [rng.gauss(0, 1) for _ in range(n)],
-                                 [0.0] * n_prompt + [-3 * rng.random() for _ in range(n)], p, kind))
-    return TrainBatch(rows, num_prompts=5, num_traces=10, max_len=16, tokens_per_prompt=tokens, traces_per_prompt=2)
+            rows.append((p, kind, [rng.randrange(1, VOCAB) for _ in range(n_prompt + n)], n,
+                         [rng.gauss(0, 1) for _ in range(n)], [-3 * rng.random() for _ in range(n)]))
+    R, T = len(rows), max(len(r[2]) for r in rows)
+    ids = torch.full((R, T), PAD, dtype=torch.long)
+    think, summ = torch.zeros(R, T - 1, dtype=torch.bool), torch.zeros(R, T - 1, dtype=torch.bool)
+    adv, roll = torch.zeros(R, T - 1), torch.zeros(R, T - 1)
+    for i, (_, kind, seq, n, a, lp) in enumerate(rows):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        first = len(seq) - n - 1  # target-aligned: column t scores token t + 1
+        (think if kind == "thinking" else summ)[i, first: first + n] = True
+        adv[i, first: first + n] = torch.tensor(a)
+        roll[i, first: first + n] = torch.tensor(lp)
+    return TrainBatch(ids, torch.tensor([len(r[2]) for r in rows]), torch.tensor([r[0] for r in rows]), think, summ,
+                      torch.zeros_like(think), adv, roll, torch.zeros(R, T - 1), torch.tensor(tokens),
+                      traces_per_prompt=2, max_len=16, pad_id=PAD)
 
 
 def _configs(case: dict) -> tuple[AlgorithmConfig, LearnerConfig]:
@@ -82,26 +91,25 @@ def _configs(case: dict) -> tuple[AlgorithmConfig, LearnerConfig]:
 
 
 def _reference(model_dir: str, case: dict) -> dict:
-    """The unpipelined RL update on one process: TorchBackend + fill_logprobs + ppo_update."""
+    """The unpipelined RL update on one process: TorchLearner log-probs, then the PPO loop."""
     from transformers import AutoModelForCausalLM
 
-    from anytime.learner.backend import TorchBackend
-    from anytime.learner.update import fill_logprobs, ppo_update
+    from anytime.learner.data_parallel import TorchLearner
+    from anytime.learner.ppo import ppo_update
 
     algo, cfg = _configs(case)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    backend = TorchBackend(model, cfg, total_steps=10)
+    learner = TorchLearner(model, cfg, total_steps=10)
     batch = _train_batch()
-    fill_logprobs(model, batch.rows, cfg.micro_batch_tokens, PAD)
-    stats = ppo_update(backend, batch, algo, cfg, PAD)
+    batch.old_logprobs = learner.logprobs(batch)
+    stats = ppo_update(learner, batch, algo, cfg)
     return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "stats": stats,
-            "old_logprobs": [r.old_logprobs for r in batch.rows]}
+            "old_logprobs": batch.old_logprobs}
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, dirs: dict) -> None:
-    from anytime.learner import checkpoint as ckpt
-    from anytime.learner.pipelined import PipelinedBackend
-    from anytime.learner.update import ppo_update
+    from anytime.learner.pipeline_learner import PipelineLearner
+    from anytime.learner.ppo import ppo_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -109,39 +117,39 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, dirs: dict) -> 
         for case in CASES:
             algo, cfg = _configs(case)
             model_dir = dirs["tied" if case["tied"] else "untied"]
-            backend = PipelinedBackend(model_dir, cfg, total_steps=10, dtype=torch.float64)
+            learner = PipelineLearner(model_dir, cfg, total_steps=10, dtype=torch.float64)
             batch = _train_batch()
-            backend.fill_logprobs(batch.rows, PAD)
-            stats = ppo_update(backend, batch, algo, cfg, PAD)
-            torch.save({"weights": backend.learner.full_state_dict(dst=None), "stats": stats,
-                        "old_logprobs": [r.old_logprobs for r in batch.rows],
-                        "held": sorted(n for n, _ in backend.learner.named_parameters())},
+            batch.old_logprobs = learner.logprobs(batch)
+            stats = ppo_update(learner, batch, algo, cfg)
+            torch.save({"weights": learner.model.full_state_dict(dst=None), "stats": stats,
+                        "old_logprobs": batch.old_logprobs,
+                        "held": sorted(n for n, _ in learner.model.named_parameters())},
                        os.path.join(out_dir, f"{case['id']}.rank{rank}.pt"))
             if case is CASES[0]:
-                _checkpoint_round_trip(rank, out_dir, model_dir, backend, batch, algo, cfg, ckpt)
+                _checkpoint_round_trip(rank, out_dir, model_dir, learner, batch, algo, cfg)
     finally:
         dist.destroy_process_group()
 
 
-def _checkpoint_round_trip(rank, out_dir, model_dir, backend, batch, algo, cfg, ckpt) -> None:
-    """Save (rank 0 writes every stage's optimizer state), resume into a fresh backend, take one
+def _checkpoint_round_trip(rank, out_dir, model_dir, learner, batch, algo, cfg) -> None:
+    """Save (each rank writes its stages' optimizer state), resume into a fresh learner, take one
     more update on both: the resumed one must land on the same weights."""
-    from anytime.learner.pipelined import PipelinedBackend
-    from anytime.learner.update import ppo_update
+    from anytime.learner import checkpoint as ckpt
+    from anytime.learner.pipeline_learner import PipelineLearner
+    from anytime.learner.ppo import ppo_update
 
-    backend.prepare_checkpoint()
-    path = ckpt.save_checkpoint(Path(out_dir) / "checkpoints", 1, backend.skeleton, None, backend,
-                                {"data_position": 1}, keep_last=2)
-    fresh = PipelinedBackend(model_dir, cfg, total_steps=10, dtype=torch.float64)
+    path = ckpt.save_checkpoint(Path(out_dir) / "checkpoints", 1, learner, None, {"data_position": 1},
+                                keep_last=2, generation_source=model_dir)
+    fresh = PipelineLearner(model_dir, cfg, total_steps=10, dtype=torch.float64)
     state = ckpt.load_checkpoint(path, fresh)
-    loaded = _max_diff(fresh.learner.state_dict(), backend.learner.state_dict())
-    for b in (backend, fresh):
-        b.fill_logprobs(batch.rows, PAD)
-        ppo_update(b, batch, algo, cfg, PAD)
-    after = _max_diff(fresh.learner.state_dict(), backend.learner.state_dict())
+    loaded = _max_diff(fresh.model.state_dict(), learner.model.state_dict())
+    for lrn in (learner, fresh):
+        batch.old_logprobs = lrn.logprobs(batch)
+        ppo_update(lrn, batch, algo, cfg)
+    after = _max_diff(fresh.model.state_dict(), learner.model.state_dict())
     with open(os.path.join(out_dir, f"resume.rank{rank}.json"), "w") as f:
         json.dump({"step": state["step"], "loaded_err": loaded, "after_err": after,
-                   "lr": [fresh.optimizer.param_groups[0]["lr"], backend.optimizer.param_groups[0]["lr"]]}, f)
+                   "lr": [fresh.optimizer.param_groups[0]["lr"], learner.optimizer.param_groups[0]["lr"]]}, f)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -164,7 +172,7 @@ def test_pipelined_rl_update_equals_the_unpipelined_one(tmp_path):
         for r, run in enumerate(runs):
             where = f"{case['id']} rank {r}"
             assert _max_diff(run["weights"], ref["weights"]) <= TOL, where
-            lp_err = max(abs(a - b) for x, y in zip(run["old_logprobs"], ref["old_logprobs"]) for a, b in zip(x, y))
+            lp_err = float((run["old_logprobs"] - ref["old_logprobs"]).abs().max())
             assert lp_err <= TOL, f"{where}: old logprobs differ by {lp_err}"
             assert set(run["stats"]) == set(ref["stats"]), where
             for k, v in ref["stats"].items():
@@ -188,12 +196,17 @@ def _reference_start(model_dir: str) -> dict:
 
 
 def test_mini_batches_group_prompts_and_count_tokens_before_dropping():
+    from anytime.learner.ppo import loss_spec
+
     batch = _train_batch()
-    groups = list(mini_batches(batch, 2))
-    assert [sorted({r.prompt_index for r in rows}) for rows, _, _ in groups] == [[0, 1], [2, 3], []]
-    assert [traces for _, _, traces in groups] == [4, 4, 2]
-    assert groups[2][1] == batch.tokens_per_prompt[4] > 0  # dropped rows still count in the normaliser
-    assert sum(len(rows) for rows, _, _ in groups) == len(batch.rows)
+    minis = list(batch.mini_batches(2))
+    assert [m.prompts for m in minis] == [[0, 1], [2, 3], [4]]
+    assert [sorted(set(m.batch.prompt_index.tolist())) for m in minis] == [[0, 1], [2, 3], []]
+    constant = [loss_spec(AlgorithmConfig(loss_agg="constant"), m, batch) for m in minis]
+    assert [s.num_rows for s in constant] == [4, 4, 2]  # traces of the mini-batch's prompts
+    tokens = loss_spec(AlgorithmConfig(loss_agg="token-mean"), minis[2], batch).num_tokens
+    assert tokens == batch.tokens_per_prompt[4] > 0  # dropped rows still count in the normaliser
+    assert sum(len(m.batch) for m in minis) == len(batch)
 
 
 def test_recipe_checks_for_the_pipelined_learner():
@@ -237,8 +250,7 @@ def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
         assert m["train/logprob_mismatch"] < 1e-3  # pipelined learner log-probs agree with the engine's
     saved = ckpt.list_checkpoints(out / "checkpoints")
     assert [p.name for p in saved] == ["step_1", "step_2"]
-    state = torch.load(saved[-1] / "learner_state.pt", weights_only=False)
-    assert len(state["backend"]["optimizers"]) == 2  # both stages' AdamW states
+    assert sorted(p.name for p in saved[-1].glob("pipeline_rank*.pt")) == ["pipeline_rank0.pt", "pipeline_rank1.pt"]
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(out.parent / "init").state_dict()

@@ -90,9 +90,9 @@ def _lookup(table: dict, name: str) -> torch.Tensor:
 
 
 def _run_case(rank: int, world: int, config, batches, ref, case: dict) -> dict:
-    from anytime.pipeline.learner import PipelineLearner
+    from anytime.pipeline.causal_lm import PipelinedCausalLM
 
-    learner = PipelineLearner(config, case["name"], microbatches=case["m"], dtype=torch.float64, seed=0,
+    learner = PipelinedCausalLM(config, case["name"], microbatches=case["m"], dtype=torch.float64, seed=0,
                               optimizer_factory=_adamw, max_grad_norm=ref["max_norm"],
                               post_validate=case.get("post_validate", True), rollback=case.get("rollback", "auto"),
                               offload_chunks=case.get("offload", ()),
@@ -150,10 +150,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, layers: int, ti
 
 def _bad_inputs(config) -> list[str]:
     """Messages of the errors raised for a mis-sized batch and a wrong stage set."""
-    from anytime.pipeline.learner import PipelineLearner
+    from anytime.pipeline.causal_lm import PipelinedCausalLM
     from anytime.pipeline.runtime import PipelineExecutor
 
-    learner = PipelineLearner(config, "1f1b", microbatches=4, dtype=torch.float64)
+    learner = PipelinedCausalLM(config, "1f1b", microbatches=4, dtype=torch.float64)
     bad = {k: v[:7] for k, v in _batch(1).items()}
     messages = []
     for call in (lambda: learner.forward_backward(bad),

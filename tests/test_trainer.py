@@ -58,65 +58,67 @@ def test_missing_inputs_fail_before_any_work(tmp_path):
     assert not (tmp_path / "does-not-exist").exists()
 
 
-def _tiny_backend(tiny_model_dir, lr=1e-2):
+def _tiny_learner(tiny_model_dir, lr=1e-2):
     from transformers import AutoModelForCausalLM
 
     from anytime.config import LearnerConfig
-    from anytime.learner.backend import TorchBackend
+    from anytime.learner.data_parallel import TorchLearner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
-    return TorchBackend(model, LearnerConfig(lr=lr, mini_batch_prompts=1), total_steps=10)
+    return TorchLearner(model, LearnerConfig(lr=lr, mini_batch_prompts=1), total_steps=10)
 
 
 def _batch(advantage: float):
-    from anytime.learner.batch import TrainBatch, TrainRow
+    """One prompt, one 5-token row whose last 4 tokens are trained with `advantage`."""
+    from anytime.learner.batch import TrainBatch
 
-    row = TrainRow([1, 5, 6, 7, 8], [0, 1, 1, 1, 1], [0] + [advantage] * 4, [0.0] * 5, 0, "thinking",
-                   old_logprobs=[-5.0] * 4)
-    return TrainBatch([row], 1, 1, 8, {0: 4}, 1)
+    trained = torch.tensor([[True] * 4])
+    return TrainBatch(torch.tensor([[1, 5, 6, 7, 8]]), torch.tensor([5]), torch.tensor([0]), trained,
+                      torch.zeros_like(trained), torch.zeros_like(trained), torch.full((1, 4), advantage),
+                      torch.zeros(1, 4), torch.full((1, 4), -5.0), torch.tensor([4]), traces_per_prompt=1, max_len=8)
 
 
 @pytest.mark.parametrize("advantage", [float("nan"), float("inf")])
 def test_non_finite_loss_skips_the_update(tiny_model_dir, advantage):
     from anytime.config import AlgorithmConfig, LearnerConfig
-    from anytime.learner.update import ppo_update
+    from anytime.learner.ppo import ppo_update
 
-    backend = _tiny_backend(tiny_model_dir)
-    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
-    stats = ppo_update(backend, _batch(advantage), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    learner = _tiny_learner(tiny_model_dir)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    stats = ppo_update(learner, _batch(advantage), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1))
     assert stats["skipped_updates"] == 1.0
-    assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
-    stats = ppo_update(backend, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+    stats = ppo_update(learner, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1))
     assert stats["skipped_updates"] == 0.0
-    assert any(not torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
 
 
 def test_non_finite_gradient_skips_the_update(tiny_model_dir):
     from anytime.config import AlgorithmConfig, LearnerConfig
-    from anytime.learner.update import ppo_update
+    from anytime.learner.ppo import ppo_update
 
-    backend = _tiny_backend(tiny_model_dir)
-    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
-    param = next(backend.model.parameters())
+    learner = _tiny_learner(tiny_model_dir)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    param = next(learner.model.parameters())
     handle = param.register_hook(lambda g: g * float("inf"))
-    stats = ppo_update(backend, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1), 0)
+    stats = ppo_update(learner, _batch(1.0), AlgorithmConfig(), LearnerConfig(mini_batch_prompts=1))
     handle.remove()
     assert stats["skipped_updates"] == 1.0
-    assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
 
 
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from anytime.config import LearnerConfig
-    from anytime.learner.backend import TorchBackend
     from anytime.learner.checkpoint import save_checkpoint
+    from anytime.learner.data_parallel import TorchLearner
 
     model_dir, root = sys.argv[1], sys.argv[2]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    backend = TorchBackend(model, LearnerConfig(), 10)
-    save_checkpoint(root, 1, model, tok, backend, {"data_position": 1}, keep_last=3)
+    learner = TorchLearner(model, LearnerConfig(), 10)
+    save_checkpoint(root, 1, learner, tok, {"data_position": 1}, keep_last=3)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -125,7 +127,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
         def save_pretrained(self, path):
             os.kill(os.getpid(), signal.SIGKILL)   # weights are on disk, the rest is not
 
-    save_checkpoint(root, 2, model, KillMidWrite(), backend, {"data_position": 2}, keep_last=3)
+    save_checkpoint(root, 2, learner, KillMidWrite(), {"data_position": 2}, keep_last=3)
 """)
 
 
@@ -133,7 +135,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, 
     from transformers import AutoModelForCausalLM
 
     from anytime.config import LearnerConfig
-    from anytime.learner.backend import TorchBackend
+    from anytime.learner.data_parallel import TorchLearner
 
     root = tmp_path / "checkpoints"
     proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, tiny_model_dir, str(root)], capture_output=True)
@@ -147,9 +149,31 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, 
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.0)
-    state = ckpt.load_checkpoint(latest, TorchBackend(model, LearnerConfig(), 10))
+    state = ckpt.load_checkpoint(latest, TorchLearner(model, LearnerConfig(), 10))
     assert state["step"] == 1 and state["data_position"] == 1
     assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpoint_files_that_would_run_code_are_refused(tiny_model_dir, tmp_path):
+    """A checkpoint from an untrusted source must not execute code on load (pickle's REDUCE)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anytime.config import LearnerConfig
+    from anytime.learner.data_parallel import TorchLearner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    learner = TorchLearner(model, LearnerConfig(), 10)
+    path = ckpt.save_checkpoint(tmp_path, 1, learner, AutoTokenizer.from_pretrained(tiny_model_dir), {}, keep_last=1)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"optimizer": Payload(), "scheduler": {}}, path / "optimizer.pt")
+    with pytest.raises(ValueError, match="refusing to load"):
+        ckpt.load_checkpoint(path, learner)
+    assert not marker.exists()
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.test_trainer import QUICKSTART, read_metrics, tiny_overrides
 

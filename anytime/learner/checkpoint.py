@@ -1,6 +1,13 @@
-"""Checkpoints: model (safetensors, Hugging Face layout), optimizer/scheduler, RNG states, data
-position and step. Each is written into `step_N.tmp/` and renamed to `step_N/` only when complete,
-so a kill at any moment leaves the last complete checkpoint intact; the last K are kept."""
+"""Checkpoints: the model as a Hugging Face folder (safetensors), the learner's own state, RNG
+states, data position and step. Everything is written into `step_N.tmp/` and renamed to `step_N/`
+only when complete, so a kill at any moment leaves the last complete checkpoint intact; the last K
+are kept.
+
+Nothing is unpickled with code execution on load: weights are safetensors, our own `.pt` files are
+read with `torch.load(weights_only=True)`, and DeepSpeed's shards (which DeepSpeed unpickles itself)
+are first checked with the same weights-only reader, allowing only DeepSpeed's plain data classes.
+A checkpoint folder from an untrusted source therefore cannot run code in the trainer.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from anytime.dist import barrier, is_main
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
-
-
-def _is_main() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+RNG_STATE = "rng_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -42,6 +42,76 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
 
 
+def load_tensors(path: Path) -> Any:
+    """A `.pt` file of tensors and plain Python values; anything else (code) is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {path} is missing; the checkpoint is incomplete or was written "
+                                "by another learner layout") from None
+    except Exception as exc:  # weights-only unpickling refused something
+        raise ValueError(f"refusing to load {path}: it holds more than tensors and plain values ({exc})") from None
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    """DeepSpeed's plain data classes that its optimizer shards pickle (no code runs when they are
+    rebuilt): the loss scaler, ZeRO's enum and fragment addresses."""
+    import deepspeed.runtime.fp16.loss_scaler as loss_scaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [loss_scaler.LossScaler, loss_scaler.DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_deepspeed_files(folder: Path) -> None:
+    """Refuse a DeepSpeed checkpoint folder any of whose files would run code when unpickled."""
+    files = sorted(folder.glob("*.pt"))
+    if not files:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint files in {folder}")
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for f in files:
+            load_tensors(f)
+
+
+def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The full model's weights saved in a checkpoint's `model/` folder."""
+    from safetensors.torch import load_file
+
+    files = sorted((folder / "model").glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {folder} has no model/*.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    missing, unexpected = model.load_state_dict(read_model_weights(folder), strict=False)
+    tied = {k for k in missing if "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def save_hf_folder(config: Any, state: dict[str, torch.Tensor], folder: Path, tokenizer: Any = None,
+                   generation_source: str | None = None) -> None:
+    """A Hugging Face model folder from a full state dict, through a weightless (meta) model of the
+    config, so no learner needs its whole model in one process to write it."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if generation_source is not None:  # keep the model's generation settings (eos ids)
+        try:
+            skeleton.generation_config = GenerationConfig.from_pretrained(generation_source)
+        except OSError:
+            pass
+    skeleton.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
     root = Path(root)
@@ -52,25 +122,22 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, backend: Any,
-                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(root: str | Path, step: int, learner: Any, tokenizer: Any, trainer_state: dict[str, Any],
+                    keep_last: int, generation_source: str | None = None) -> Path:
+    """Collective: every learner rank calls it."""
     root = Path(root)
-    final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp"
-    if _is_main():
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if is_main():
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
-    state = backend.full_state_dict()
-    engine = getattr(backend, "engine", None)
-    if engine is not None:  # DeepSpeed: optimizer shards from every rank
-        engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
-    if _is_main():
-        model.save_pretrained(tmp / "model", state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
-        torch.save({"backend": backend.state_dict(), "rng": rng_state()}, tmp / "learner_state.pt")
+    barrier()
+    state = learner.full_state_dict()
+    learner.save(tmp)
+    barrier()
+    if is_main():
+        save_hf_folder(learner.config, state, tmp / "model", tokenizer, generation_source)
+        torch.save(rng_state(), tmp / RNG_STATE)
         (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -79,7 +146,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, bac
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob("step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
@@ -97,24 +164,9 @@ def resolve_resume(root: str | Path, resume: str) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, backend: Any) -> dict[str, Any]:
-    """Load weights + optimizer + RNG into a live backend; returns the trainer state."""
-    from safetensors.torch import load_file
-
-    engine = getattr(backend, "engine", None)
-    if engine is not None:
-        engine.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False)
-    else:
-        files = sorted((path / "model").glob("*.safetensors"))
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f))
-        missing, unexpected = backend.model.load_state_dict(state, strict=False)
-        tied = {k for k in missing if "lm_head" in k}
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-    blob = torch.load(path / "learner_state.pt", weights_only=False, map_location="cpu")
-    backend.load_state_dict(blob["backend"])
-    set_rng_state(blob["rng"])
+def load_checkpoint(path: Path, learner: Any) -> dict[str, Any]:
+    """Load weights, learner state and RNG into a live learner (collective); returns the trainer state."""
+    learner.load(path)
+    set_rng_state(load_tensors(path / RNG_STATE))
     log.info("resumed from %s", path)
     return json.loads((path / TRAINER_STATE).read_text())

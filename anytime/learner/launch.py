@@ -104,31 +104,18 @@ def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
     return path
 
 
-def _init_distributed() -> None:
-    import torch
-    import torch.distributed as dist
-
-    if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-
-
 def _run_here(recipe: Recipe) -> int:
     import torch.distributed as dist
 
+    from anytime.dist import broadcast_object, init_from_env, initialized, rank_world
     from anytime.learner.trainer import Trainer
 
-    _init_distributed()
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    init_from_env()
+    rank = rank_world()[0]
     t0 = time.perf_counter()
     if rank == 0:
         path = prepare_model(recipe)
-    if dist.is_initialized():
-        box = [path if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
+    path = broadcast_object(path if rank == 0 else None)
     set_threads(recipe)
     trainer = Trainer(recipe, path)
     try:
@@ -143,9 +130,8 @@ def _run_here(recipe: Recipe) -> int:
         if before is not None and after is not None:
             print(f"anytime score (held-out, mean over eval budgets): before RL {before:.3f} -> after RL {after:.3f} "
                   f"({after - before:+.3f}); wall time {wall / 60:.1f} min")
-            out = Path(recipe.trainer.output_dir)
-            (out / "quickstart_summary.json").write_text(json.dumps(summary, indent=2))
-    if dist.is_initialized():
+        (Path(recipe.trainer.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    if initialized():
         dist.destroy_process_group()
     return 0
 

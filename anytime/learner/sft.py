@@ -16,7 +16,7 @@ import torch
 
 from anytime.config import Recipe
 from anytime.data import render_prompt
-from anytime.learner.backend import lr_lambda
+from anytime.learner.base import lr_lambda
 from anytime.synthetic import make_problems, sft_completion
 
 log = logging.getLogger(__name__)

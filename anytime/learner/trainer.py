@@ -1,9 +1,19 @@
-"""The training loop: rollout → rewards → advantages → train batch → update → weight sync →
-metrics → eval → checkpoint, with stage timers under stable names.
+"""The training loop: rollout → update → weight sync → metrics → eval → checkpoint, with stage
+timers under stable names (`gen`, `summaries`, `reward`, `adv`, `scatter`, `logprob`, `update`,
+`sync`, `eval`, `save`).
 
-Rank 0 owns the rollout engine and the verifier; the rollout's train rows are broadcast and each
-data-parallel rank trains on the rows of its own prompts (with `learner.pipeline.stages > 1` the
-ranks are pipeline stages instead, and all of them train on all rows).
+A sample passes through four containers on its way from the engine to the loss:
+1. `Completion` (`anytime.rollout.engine`): one sampled continuation, as the engine returns it;
+2. `AnytimeRollout` (`anytime.rollout.anytime`): the step's traces, cuts, summaries and verified
+   scores as padded tensors indexed [prompt, trace, budget, summary];
+3. `TrainBatch` (`anytime.learner.batch`): token rows with thinking / summary / inserted masks,
+   per-token advantages and rollout / old log-probs, target-aligned; each learner rank receives only
+   its own rows, and mini- and micro-batches are `TrainBatch`es too;
+4. the loss (`anytime.learner.ppo.token_loss`).
+
+Rank 0 owns the `RolloutWorker` (engine + verifier + advantages + batch building) and scatters each
+data-parallel rank its rows; the `Learner` (torch, DeepSpeed or pipeline) and the one PPO loop
+(`anytime.learner.ppo`) do the rest.
 """
 
 from __future__ import annotations
@@ -18,28 +28,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
-from anytime.budget import anytime_score
 from anytime.config import Recipe
-from anytime.data import PromptRow, encode_prompts, load_rows, synthetic_rows, SYNTHETIC_TRAIN_SEED
+from anytime.data import SYNTHETIC_TRAIN_SEED, PromptRow, encode_prompts, load_rows, synthetic_rows
+from anytime.dist import broadcast_object, rank_world, scatter_tensors
 from anytime.learner import checkpoint as ckpt
-from anytime.learner.backend import create_backend
-from anytime.learner.batch import TrainBatch, build_train_batch
+from anytime.learner.base import build_learner
+from anytime.learner.batch import TrainBatch
 from anytime.learner.metrics import MetricsLogger, StageTimer
-from anytime.learner.update import fill_logprobs, logprob_mismatch, ppo_update, rank_world
+from anytime.learner.ppo import logprob_mismatch, ppo_update
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def _broadcast(obj: Any) -> Any:
-    if rank_world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def load_train_rows(recipe: Recipe) -> list[PromptRow]:
@@ -55,12 +54,11 @@ def load_train_rows(recipe: Recipe) -> list[PromptRow]:
 
 class Trainer:
     def __init__(self, recipe: Recipe, model_path: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        self.recipe = recipe
+        self.recipe, self.model_path = recipe, model_path
         self.rank, self.world = rank_world()
         self.out = Path(recipe.trainer.output_dir)
-        self.model_path = model_path
         seed = recipe.trainer.seed
         random.seed(seed)
         np.random.seed(seed)
@@ -69,150 +67,65 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        dtype = DTYPES[recipe.model.dtype]
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        # Pipelined: every rank holds only its stages; `self.model` is then a weightless skeleton
-        # (config + save_pretrained for checkpoints) and every rank trains on all rows.
-        self.pipelined = recipe.learner.pipeline.stages > 1
-        self.ref_model = None
-        if self.pipelined:
-            from anytime.learner.pipelined import PipelinedBackend
-
-            self.backend = PipelinedBackend(model_path, recipe.learner, recipe.trainer.steps, dtype=dtype, seed=seed,
-                                            device=device)
-            self.model = self.backend.skeleton
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code).to(device)
-            if recipe.model.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
-            if recipe.learner.reference_model:
-                self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-                self.ref_model.requires_grad_(False)
-            self.backend = create_backend(self.model, recipe.learner, recipe.trainer.steps)
+        self.learner = build_learner(recipe, model_path)
         self.rows = load_train_rows(recipe)
         self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
         self.timer = StageTimer()
-        self.grid = recipe.budget.grid()
-        self.probs = recipe.budget.prior_probs()
-        self.runner = self.eval_runner = self.engine = self.scorer = None
+        self.worker = None
         if self.rank == 0:
-            self._build_rollout()
+            from anytime.rollout.worker import RolloutWorker
+
+            self.worker = RolloutWorker(recipe, model_path, self.tokenizer, self.pad_id)
         self._stop_signal: int | None = None
 
-    # --- rollout side (rank 0) -----------------------------------------------------------------
-    def _build_rollout(self) -> None:
-        from anytime.reward import RewardScorer
-        from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
-        from anytime.rollout.engine import create_engine
-
-        r = self.recipe
-        max_len = r.rollout.max_model_len or (r.data.max_prompt_len + r.budget.max_thinking
-                                              + r.summary.max_tokens + 64)
-        kwargs: dict[str, Any] = {}
-        if r.rollout.engine == "vllm" and torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
-        self.engine = create_engine(r.rollout.engine, self.model_path, max_model_len=max_len,
-                                    max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
-                                    **kwargs)
-        self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
-        common = dict(summary_max_tokens=r.summary.max_tokens, close_text=r.summary.close_text,
-                      header=r.summary.header, think_end=r.summary.think_end, seed=r.trainer.seed)
-        self.runner = AnytimeRolloutRunner(self.engine, self.tokenizer, self.scorer, AnytimeSettings(
-            tuple(self.grid), r.rollout.n, r.summary.n, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-            summary_temperature=r.summary.temperature, **common))
-        ev = r.eval
-        self.eval_budgets = list(ev.budgets or self.grid)
-        self.eval_runner = AnytimeRolloutRunner(self.engine, self.tokenizer, self.scorer, AnytimeSettings(
-            tuple(self.eval_budgets), ev.samples, 1, temperature=ev.temperature if ev.temperature > 0 else 0.0,
-            top_p=ev.top_p, summary_temperature=ev.temperature, **common))
-
-    def _sync_weights(self) -> None:
-        with self.timer.stage("sync"):
-            state = self.backend.full_state_dict()  # every rank joins the ZeRO-3 gather
-            if self.rank == 0:
-                self.engine.update_weights(state.items())
-
-    # --- evaluation ----------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, Any]:
-        from anytime.benchmarks import load_benchmark
-        from anytime.evaluate import evaluate_rows
-
-        ev = self.recipe.eval
-        result: dict[str, Any] = {}
-        if self.rank == 0:
-            with self.timer.stage("eval"):
-                scores = []
-                for name in ev.benchmarks:
-                    rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=self.recipe.trainer.seed)
-                    r = evaluate_rows(self.eval_runner, self.tokenizer, rows, budgets=self.eval_budgets,
-                                      instruction=self.recipe.data.instruction,
-                                      max_prompt_len=self.recipe.data.max_prompt_len, seed=12345)
-                    for j, b in enumerate(self.eval_budgets):
-                        result[f"eval/{name}/acc@{b}"] = r["accuracy"][j]
-                    result[f"eval/{name}/anytime"] = r["anytime_accuracy"]
-                    result[f"eval/{name}/final"] = r["final_accuracy"]
-                    result[f"eval/{name}/think_len"] = r["avg_thinking_length"]
-                    scores.append(r["anytime_accuracy"])
-                result["eval/anytime"] = sum(scores) / max(len(scores), 1)
-        return _broadcast(result)
-
-    # --- one step ------------------------------------------------------------------------------
-    def _rollout_batch(self, step: int) -> tuple[TrainBatch | None, dict[str, Any]]:
-        r = self.recipe
-        metrics: dict[str, Any] = {}
-        batch = None
-        if self.rank == 0:
-            n = r.rollout.prompts_per_step
+    # --- rollout → this rank's rows ------------------------------------------------------------
+    def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+        shares, metrics = None, None
+        if self.worker is not None:
+            n = self.recipe.rollout.prompts_per_step
             idx = [(step * n + i) % len(self.rows) for i in range(n)]
-            rollout = self.runner.run([self.prompts[i] for i in idx], [self.rows[i].answer for i in idx],
-                                      seed=r.trainer.seed * 1_000_003 + step)
-            for k, v in rollout.timings.items():
-                self.timer.add(k, v)
-            with self.timer.stage("adv"):
-                scores = rollout.budget_scores.double()  # [B, G, S]
-                t_adv = thinking_advantages(r.algorithm.estimator, scores, self.probs, decay=r.algorithm.decay,
-                                            variant=r.algorithm.variance_reduction)
-                s_adv = summary_advantages_by_name(r.summary.estimator, rollout.scores.double(), rollout.prefix_group)
-                batch = build_train_batch(rollout, t_adv, s_adv, thinking_weight=r.algorithm.thinking_loss_weight,
-                                          summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
-                                          drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0)
-            acc = rollout.accuracy_per_budget()
-            for b, a in zip(rollout.budgets, acc):
-                metrics[f"train/acc@{b}"] = a
-            metrics["train/anytime_score"] = anytime_score(acc, self.probs)
-            lengths = rollout.thinking_lengths()
-            metrics["train/think_len"] = sum(lengths) / len(lengths)
-            metrics["train/think_closed_frac"] = sum(t.natural_end for p in rollout.traces for t in p) / len(lengths)
-            metrics["adv/thinking_mean"] = float(t_adv.mean())
-            metrics["adv/thinking_abs"] = float(t_adv.abs().mean())
-            metrics["adv/summary_abs"] = float(s_adv.abs().mean())
-            total = sum(rollout.failure_reasons().values())
-            for reason, c in rollout.failure_reasons().items():
-                metrics[f"verifier/{reason}"] = c / total
-            metrics["train/rows"] = len(batch.rows)
-        return _broadcast(batch), _broadcast(metrics)
+            batch, metrics, timings = self.worker.rollout([self.prompts[i] for i in idx],
+                                                          [self.rows[i].answer for i in idx], step)
+            for name, seconds in timings.items():
+                self.timer.add(name, seconds)
+            by_dp = {d: batch.shard(d, self.learner.dp_size).to_tensors() for d in set(self.learner.dp_ranks)}
+            shares = [by_dp[d] for d in self.learner.dp_ranks]
+        with self.timer.stage("scatter"):
+            mine = TrainBatch.from_tensors(scatter_tensors(shares))
+        return mine, broadcast_object(metrics)
 
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.timer = StageTimer()
-        batch, metrics = self._rollout_batch(step)
+        batch, metrics = self._rollout(step)
+        if self.worker is not None and self.recipe.rollout.enable_sleep:
+            self.worker.sleep()
+        r = self.recipe
         with self.timer.stage("logprob"):
-            if self.pipelined:  # no data-parallel split: every pipeline rank sees every row
-                mine = batch.rows
-                self.backend.fill_logprobs(mine, self.pad_id)
-            else:
-                mine = [row for row in batch.rows if row.prompt_index % self.world == self.rank]
-                fill_logprobs(self.model, mine, self.recipe.learner.micro_batch_tokens, self.pad_id)
-            metrics["train/logprob_mismatch"] = logprob_mismatch(mine, across_ranks=not self.pipelined)
+            batch.old_logprobs = self.learner.logprobs(batch)
+            metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
         with self.timer.stage("update"):
-            stats = ppo_update(self.backend, batch, self.recipe.algorithm, self.recipe.learner, self.pad_id,
-                               self.ref_model)
+            stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})
         self._sync_weights()
         metrics.update({f"time/{k}": v for k, v in self.timer.times.items()})
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
+
+    def _sync_weights(self) -> None:
+        with self.timer.stage("sync"):
+            state = self.learner.full_state_dict()  # collective (ZeRO-3 gather, pipeline stages → rank 0)
+            if self.worker is not None:
+                if self.recipe.rollout.enable_sleep:
+                    self.worker.wake_up()
+                self.worker.update_weights(state.items())
+
+    def evaluate(self) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        if self.worker is not None:
+            with self.timer.stage("eval"):
+                result = self.worker.evaluate()
+        return broadcast_object(result)
 
     # --- signals and checkpoints ---------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -220,21 +133,18 @@ class Trainer:
         self._stop_signal = signum
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        t = time.perf_counter()
-        if self.pipelined:  # each stage's optimizer state goes to rank 0, which writes the checkpoint
-            self.backend.prepare_checkpoint()
-        path = ckpt.save_checkpoint(self.out / "checkpoints", step, self.model, self.tokenizer, self.backend,
-                                    {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
-                                    self.recipe.trainer.keep_last)
-        self.timer.add("save", time.perf_counter() - t)
-        return path
+        with self.timer.stage("save"):
+            return ckpt.save_checkpoint(
+                self.out / "checkpoints", step, self.learner, self.tokenizer,
+                {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
+                self.recipe.trainer.keep_last, generation_source=self.model_path)
 
     def fit(self) -> dict[str, Any]:
         r = self.recipe
         start_step, history = 0, {}
         resume = ckpt.resolve_resume(self.out / "checkpoints", r.trainer.resume)
         if resume is not None:
-            state = ckpt.load_checkpoint(resume, self.backend)
+            state = ckpt.load_checkpoint(resume, self.learner)
             start_step = state["step"]
             history = state.get("history", {})
             self._sync_weights()
@@ -253,7 +163,7 @@ class Trainer:
                     metrics.update(self.evaluate())
                 logger.log(step, metrics)
                 logger.progress(step, anytime=metrics.get("train/anytime_score", 0.0))
-                stop = _broadcast(self._stop_signal)
+                stop = broadcast_object(self._stop_signal)
                 if stop is not None or step % r.trainer.save_every == 0 or step == r.trainer.steps:
                     self.save(step, {"history": history})
                 if stop is not None:
@@ -270,7 +180,5 @@ class Trainer:
             logger.close()
 
     def close(self) -> None:
-        if self.scorer is not None:
-            self.scorer.close()
-        if self.engine is not None:
-            self.engine.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -16,7 +16,7 @@ the sender's send order: NCCL matches point-to-point messages by order, not tag,
 (and one process group per direction, see `p2p_groups`) is what makes early posting deadlock-free
 there; gloo also gets distinct tags.
 
-`anytime.pipeline.learner.PipelineLearner` builds the stages of a HF causal LM and the optimizer on
+`anytime.pipeline.causal_lm.PipelinedCausalLM` builds the stages of a HF causal LM and the optimizer on
 top of this executor.
 """
 

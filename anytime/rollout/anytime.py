@@ -6,6 +6,9 @@ trace is cut at every budget b_j; the summary prompt of a cut is prompt + thinki
 tokens (only when the trace was really cut) + answer-header tokens. Budgets past a trace's natural
 end share one summary prompt (one prefix group). A summaries per budget are sampled through
 `engine.generate_branches`, so engines reuse the trace's prefix, and scored by the verifier.
+
+The engine's `Completion`s are turned into one `AnytimeRollout` of padded tensors indexed
+[prompt B, trace G, budget S, summary A]; `anytime.learner.batch` turns that into a `TrainBatch`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Any
 
 import torch
 
-from anytime.reward import RewardScorer, Verdict
+from anytime import defaults
+from anytime.budget import validate_grid
+from anytime.reward import REASONS, RewardScorer, Verdict
 from anytime.rollout.engine import Branch, RolloutEngine, SamplingConfig
 
 
@@ -29,10 +34,10 @@ class AnytimeSettings:
     budgets: tuple[int, ...]
     traces_per_prompt: int            # G
     summaries_per_budget: int         # A
-    summary_max_tokens: int
-    close_text: str = "\n\n...\n\n</think>"
-    header: str = "\n\n**Final Answer**\n"
-    think_end: str = "</think>"
+    summary_max_tokens: int = defaults.SUMMARY_MAX_TOKENS
+    close_text: str = defaults.CLOSE_TEXT
+    header: str = defaults.HEADER
+    think_end: str = defaults.THINK_END
     temperature: float = 1.0
     top_p: float = 1.0
     summary_temperature: float = 1.0
@@ -40,33 +45,32 @@ class AnytimeSettings:
 
 
 @dataclass
-class Trace:
-    token_ids: list[int]              # generated thinking tokens, the closing `</think>` included
-    logprobs: list[float]
-    natural_end: bool                 # closed its thinking by itself
-    eos_end: bool = False             # stopped on EOS without closing (scores 0 past its end, as the paper)
-
-
-@dataclass
-class Summary:
-    cut: int                          # thinking tokens kept before the inserted tokens
-    inserted_ids: list[int]           # forced close (if cut) + header; never trained
-    token_ids: list[int]
-    logprobs: list[float]
-    verdict: Verdict
-
-
-@dataclass
 class AnytimeRollout:
-    """One rollout batch, the currency between the rollout and the advantage/learner stages."""
+    """One rollout batch as padded tensors (pad id 0, lengths given): the currency between the
+    rollout and the advantage / train-batch stages. Shapes: B prompts, G traces per prompt, S
+    budgets, A summaries per budget, L longest trace, M longest summary."""
 
-    prompts: list[list[int]]                      # [B]
-    golds: list[Any]                              # [B]
-    budgets: list[int]                            # [S]
-    traces: list[list[Trace]]                     # [B][G]
-    summaries: list[list[list[list[Summary]]]]    # [B][G][S][A]
-    scores: torch.Tensor                          # [B, G, S, A] in {0, 1}
-    prefix_group: torch.Tensor                    # [B, G, S]: equal ids share one summary prompt
+    budgets: list[int]                 # [S]
+    golds: list[Any]                   # [B] raw gold answers
+    prompt_ids: torch.Tensor           # [B, P] long
+    prompt_len: torch.Tensor           # [B]
+    think_ids: torch.Tensor            # [B, G, L] generated thinking, the closing `</think>` included
+    think_logprobs: torch.Tensor       # [B, G, L] float32, the engine's raw log-probs
+    think_len: torch.Tensor            # [B, G]
+    natural_end: torch.Tensor          # [B, G] bool: closed its thinking by itself
+    eos_end: torch.Tensor              # [B, G] bool: stopped on EOS without closing
+    cut: torch.Tensor                  # [B, G, S] thinking tokens kept before the inserted tokens
+    forced_close: torch.Tensor         # [B, G, S] bool: the close text was inserted (a real cut)
+    prefix_group: torch.Tensor         # [B, G, S] equal ids share one summary prompt
+    summary_ids: torch.Tensor          # [B, G, S, A, M] long
+    summary_logprobs: torch.Tensor     # [B, G, S, A, M] float32
+    summary_len: torch.Tensor          # [B, G, S, A]
+    scores: torch.Tensor               # [B, G, S, A] in {0, 1}
+    reasons: torch.Tensor              # [B, G, S, A] index into anytime.reward.REASONS
+    answers: list[str | None]          # [B·G·S·A] the extracted answers, in (b, g, j, a) order
+    texts: list[str]                   # [B·G·S·A] what the verifier read
+    close_ids: tuple[int, ...]
+    header_ids: tuple[int, ...]
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -78,20 +82,14 @@ class AnytimeRollout:
         return self.scores.mean(dim=(0, 1, 3)).tolist()
 
     def failure_reasons(self) -> Counter:
-        return Counter(s.verdict.reason for b in self.summaries for g in b for j in g for s in j)
+        return Counter(REASONS[i] for i in self.reasons.flatten().tolist())
 
     def thinking_lengths(self) -> list[int]:
-        return [len(t.token_ids) for per_prompt in self.traces for t in per_prompt]
+        return self.think_len.flatten().tolist()
 
-
-def segment_index(length: int, budgets: Sequence[int]) -> list[int]:
-    """Budget segment of each thinking token: token t (1-based) is in segment j = min{j: b_j ≥ t}."""
-    out, j = [], 0
-    for t in range(1, length + 1):
-        while j < len(budgets) - 1 and budgets[j] < t:
-            j += 1
-        out.append(j)
-    return out
+    def inserted_ids(self, b: int, g: int, j: int) -> list[int]:
+        """The tokens forced between thinking[:cut] and the summary of budget j (never trained)."""
+        return list(self.close_ids if self.forced_close[b, g, j] else ()) + list(self.header_ids)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -107,6 +105,16 @@ def token_id_of(tokenizer: Any, text: str) -> int:
     return ids[0]
 
 
+def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Ragged rows (in row-major order of `shape`) right-padded with zeros into [*shape, longest]."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out.view(*shape, -1)
+
+
 class AnytimeRolloutRunner:
     """Runs anytime rollouts for batches of prompts on one engine with one verifier."""
 
@@ -117,99 +125,118 @@ class AnytimeRolloutRunner:
         self.header_ids = _encode(tokenizer, settings.header)
         eos = tokenizer.eos_token_id
         self.eos_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
-        budgets = list(settings.budgets)
-        if any(b >= c for b, c in zip(budgets, budgets[1:])) or not budgets or budgets[0] <= 0:
-            raise ValueError(f"budgets must be positive and strictly increasing, got {budgets}")
-        self._check_lengths(budgets)
+        validate_grid(settings.budgets)
+        self._check_lengths(settings.budgets)
+
+    @property
+    def inserted_max(self) -> int:
+        """The most tokens ever inserted between a cut and its summary (close + header)."""
+        return len(self.close_ids) + len(self.header_ids)
 
     def _check_lengths(self, budgets: Sequence[int]) -> None:
-        extra = len(self.close_ids) + len(self.header_ids) + self.settings.summary_max_tokens
+        extra = self.inserted_max + self.settings.summary_max_tokens
         limit = self.engine.max_model_len
         if budgets[-1] + extra >= limit:
             raise ValueError(f"the largest budget {budgets[-1]} plus {extra} summary tokens does not fit the engine's "
                              f"max model length {limit}; lower the budgets or raise rollout.max_model_len")
 
-    def summary_plan(self, trace: Trace, budgets: Sequence[int]) -> tuple[list[Branch], list[int]]:
-        """The branch (cut + inserted tokens) of every budget and its prefix-group id."""
-        content = len(trace.token_ids) - (1 if trace.eos_end else 0)
+    def summary_plan(self, length: int, natural_end: bool, eos_end: bool,
+                     budgets: Sequence[int]) -> tuple[list[Branch], list[int]]:
+        """The branch (cut + inserted tokens) of every budget for a trace of `length` tokens, and
+        its prefix-group id."""
+        content = length - (1 if eos_end else 0)
         branches: list[Branch] = []
         groups: list[int] = []
         seen: dict[Branch, int] = {}
         for b in budgets:
-            if trace.natural_end and len(trace.token_ids) <= b:
-                branch = Branch(len(trace.token_ids), tuple(self.header_ids))
+            if natural_end and length <= b:
+                branch = Branch(length, tuple(self.header_ids))
             else:
                 branch = Branch(min(b, content), tuple(self.close_ids + self.header_ids))
             groups.append(seen.setdefault(branch, len(seen)))
             branches.append(branch)
         return branches, groups
 
-    def summary_text(self, trace: Trace, branch: Branch, summary_ids: Sequence[int]) -> str:
+    def summary_text(self, own_close: bool, branch: Branch, summary_ids: Sequence[int]) -> str:
         """What the verifier reads: everything after the thinking, from its one `</think>` on (the
-        model's own closing token when it ended by itself, else the forced close) to the summary."""
-        own_close = [self.think_end_id] if trace.natural_end and branch.cut == len(trace.token_ids) else []
+        model's own closing token when `own_close`, i.e. the trace ended by itself before the cut,
+        else the forced close) to the summary."""
         ids = [t for t in summary_ids if t not in self.eos_ids]
-        return self.tokenizer.decode(own_close + list(branch.suffix) + ids, skip_special_tokens=False)
+        head = [self.think_end_id] if own_close else []
+        return self.tokenizer.decode(head + list(branch.suffix) + ids, skip_special_tokens=False)
 
     def run(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], budgets: Sequence[int] | None = None,
             seed: int | None = None) -> AnytimeRollout:
         s = self.settings
         budgets = list(s.budgets if budgets is None else budgets)
+        validate_grid(budgets)
         self._check_lengths(budgets)
         if len(prompts) != len(golds):
             raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold answers")
         seed = s.seed if seed is None else seed
+        B, G, S, A = len(prompts), s.traces_per_prompt, len(budgets), s.summaries_per_budget
         timings: dict[str, float] = {}
 
         start = time.perf_counter()
         thinking = self.engine.generate(
-            prompts, SamplingConfig(max_new_tokens=budgets[-1], n=s.traces_per_prompt, temperature=s.temperature,
+            prompts, SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature,
                                     top_p=s.top_p, stop_token_ids=(self.think_end_id, *self.eos_ids), seed=seed))
         timings["gen"] = time.perf_counter() - start
-        traces = [[Trace(list(c.token_ids), list(c.logprobs),
-                         natural_end=bool(c.token_ids) and c.token_ids[-1] == self.think_end_id,
-                         eos_end=bool(c.token_ids) and c.token_ids[-1] in self.eos_ids)
-                   for c in per_prompt] for per_prompt in thinking]
+        traces = [c for per_prompt in thinking for c in per_prompt]            # [B·G]
+        natural = [bool(c.token_ids) and c.token_ids[-1] == self.think_end_id for c in traces]
+        eos = [bool(c.token_ids) and c.token_ids[-1] in self.eos_ids for c in traces]
 
         prefixes, branch_lists, plans = [], [], []
-        for p, per_prompt in zip(prompts, traces):
-            for trace in per_prompt:
-                branches, groups = self.summary_plan(trace, budgets)
-                prefixes.append(list(p) + trace.token_ids)
-                branch_lists.append([Branch(len(p) + br.cut, br.suffix) for br in branches])
-                plans.append((branches, groups))
+        for k, c in enumerate(traces):
+            branches, groups = self.summary_plan(len(c.token_ids), natural[k], eos[k], budgets)
+            prompt = list(prompts[k // G])
+            prefixes.append(prompt + list(c.token_ids))
+            branch_lists.append([Branch(len(prompt) + br.cut, br.suffix) for br in branches])
+            plans.append((branches, groups))
         start = time.perf_counter()
         sampled = self.engine.generate_branches(
             prefixes, branch_lists,
-            SamplingConfig(max_new_tokens=s.summary_max_tokens, n=s.summaries_per_budget,
-                           temperature=s.summary_temperature, top_p=s.top_p, stop_token_ids=self.eos_ids, seed=seed + 1))
+            SamplingConfig(max_new_tokens=s.summary_max_tokens, n=A, temperature=s.summary_temperature,
+                           top_p=s.top_p, stop_token_ids=self.eos_ids, seed=seed + 1))
         timings["summaries"] = time.perf_counter() - start
 
-        texts, gold_list = [], []
-        flat: list[tuple[int, int, int, int, Branch, Any]] = []
+        texts, gold_list, summaries = [], [], []
         for k, ((branches, _), per_branch) in enumerate(zip(plans, sampled)):
-            b_idx, g_idx = divmod(k, s.traces_per_prompt)
-            trace = traces[b_idx][g_idx]
-            for j, (branch, completions) in enumerate(zip(branches, per_branch)):
-                for a, comp in enumerate(completions):
-                    texts.append(self.summary_text(trace, branch, comp.token_ids))
-                    gold_list.append(golds[b_idx])
-                    flat.append((b_idx, g_idx, j, a, branch, comp))
+            length = len(traces[k].token_ids)
+            for branch, completions in zip(branches, per_branch):
+                for comp in completions:
+                    texts.append(self.summary_text(natural[k] and branch.cut == length, branch, comp.token_ids))
+                    gold_list.append(golds[k // G])
+                    summaries.append(comp)
         start = time.perf_counter()
         verdicts = self.scorer.score(texts, gold_list)
         timings["reward"] = time.perf_counter() - start
+        # EOS inside the thinking scores 0 at and past its end (the paper's rule).
+        per_trace = S * A
+        for i, verdict in enumerate(verdicts):
+            k, j = divmod(i // A, S)
+            if eos[k] and plans[k][0][j].cut >= len(traces[k].token_ids) - 1:
+                verdicts[i] = Verdict(0.0, "bad_format", verdict.parsed)
+        assert len(verdicts) == B * G * per_trace
 
-        B, G, S, A = len(prompts), s.traces_per_prompt, len(budgets), s.summaries_per_budget
-        scores = torch.zeros(B, G, S, A)
-        summaries: list[list[list[list[Summary | None]]]] = [[[[None] * A for _ in range(S)] for _ in range(G)]
-                                                             for _ in range(B)]
-        for (b_idx, g_idx, j, a, branch, comp), verdict in zip(flat, verdicts):
-            trace = traces[b_idx][g_idx]
-            if trace.eos_end and branch.cut >= len(trace.token_ids) - 1:
-                verdict = Verdict(0.0, "bad_format", verdict.parsed)  # EOS inside thinking scores 0 (paper)
-            scores[b_idx, g_idx, j, a] = verdict.score
-            summaries[b_idx][g_idx][j][a] = Summary(branch.cut, list(branch.suffix), list(comp.token_ids),
-                                                    list(comp.logprobs), verdict)
-        groups = torch.tensor([plan[1] for plan in plans], dtype=torch.long).view(B, G, S)
-        return AnytimeRollout([list(p) for p in prompts], list(golds), budgets, traces, summaries,  # type: ignore[arg-type]
-                              scores, groups, timings)
+        cuts = [br.cut for branches, _ in plans for br in branches]
+        return AnytimeRollout(
+            budgets=budgets, golds=list(golds),
+            prompt_ids=padded(prompts, torch.long, (B,)),
+            prompt_len=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+            think_ids=padded([c.token_ids for c in traces], torch.long, (B, G)),
+            think_logprobs=padded([c.logprobs for c in traces], torch.float32, (B, G)),
+            think_len=torch.tensor([len(c.token_ids) for c in traces], dtype=torch.long).view(B, G),
+            natural_end=torch.tensor(natural, dtype=torch.bool).view(B, G),
+            eos_end=torch.tensor(eos, dtype=torch.bool).view(B, G),
+            cut=torch.tensor(cuts, dtype=torch.long).view(B, G, S),
+            forced_close=torch.tensor([len(br.suffix) > len(self.header_ids) for bs, _ in plans for br in bs],
+                                      dtype=torch.bool).view(B, G, S),
+            prefix_group=torch.tensor([plan[1] for plan in plans], dtype=torch.long).view(B, G, S),
+            summary_ids=padded([c.token_ids for c in summaries], torch.long, (B, G, S, A)),
+            summary_logprobs=padded([c.logprobs for c in summaries], torch.float32, (B, G, S, A)),
+            summary_len=torch.tensor([len(c.token_ids) for c in summaries], dtype=torch.long).view(B, G, S, A),
+            scores=torch.tensor([v.score for v in verdicts], dtype=torch.float32).view(B, G, S, A),
+            reasons=torch.tensor([REASONS.index(v.reason) for v in verdicts], dtype=torch.long).view(B, G, S, A),
+            answers=[v.parsed for v in verdicts], texts=texts,
+            close_ids=tuple(self.close_ids), header_ids=tuple(self.header_ids), timings=timings)

@@ -90,6 +90,7 @@ class RolloutEngine(abc.ABC):
     max_model_len: int
     max_prompt_len: int | None
     vocab_size: int
+    _weight_shapes: dict[str, tuple[int, ...]]  # Hugging Face state-dict names and shapes
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingConfig) -> list[list[Completion]]:
@@ -129,9 +130,30 @@ class RolloutEngine(abc.ABC):
             return [[] for _ in prefixes]
         return self._generate_branches([list(p) for p in prefixes], [list(b) for b in branches], params)
 
-    @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy learner weights (Hugging Face parameter names) into the engine's model."""
+        """Copy learner weights (Hugging Face parameter names) into the engine's model. Unknown names
+        or wrong shapes raise ValueError before anything is copied (a bad update leaves the old
+        weights intact)."""
+        self._check_open()
+        updates = [(name, t.detach()) for name, t in named_tensors]
+        shapes = self._weight_shapes
+        unknown = [name for name, _ in updates if name not in shapes]
+        if unknown:
+            raise ValueError(
+                f"update_weights got {len(unknown)} names the model does not have, e.g. {unknown[:3]}: "
+                "pass Hugging Face parameter names (strip wrappers such as 'module.' or '_orig_mod.')"
+            )
+        wrong = [(n, tuple(t.shape), shapes[n]) for n, t in updates if tuple(t.shape) != shapes[n]]
+        if wrong:
+            raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
+        self._load_weights(updates)
+
+    def sleep(self) -> None:
+        """Free accelerator memory while the learner updates (weights kept on the host); a no-op where
+        the engine has nothing to free."""
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next generation or weight update."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -146,6 +168,10 @@ class RolloutEngine(abc.ABC):
     # ---- for subclasses ---------------------------------------------------------------------
     @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]: ...
+
+    @abc.abstractmethod
+    def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy checked (name, tensor) pairs into the model."""
 
     @abc.abstractmethod
     def _generate_branches(

@@ -17,18 +17,18 @@ measure what the reuse saves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from anytime.defaults import DTYPE_NAMES, torch_dtype
 from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig, _check_lengths
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Keys/values of one sequence: per layer, ([kv_heads, length, head_dim], [kv_heads, length, head_dim]).
 RowKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -159,15 +159,15 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported by the hf engine; use one of {sorted(_DTYPES)}")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={dtype!r} is not supported by the hf engine; use one of {DTYPE_NAMES}")
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+            model_path, dtype=torch_dtype(dtype), attn_implementation=attn_implementation
         )
         self.model = model.to(self.device).eval()
         config = self.model.config
@@ -175,6 +175,7 @@ class HFEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.max_prompt_len = max_prompt_len
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self._weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.prefix_reuse = prefix_reuse
         self.keep_generate_kv = keep_generate_kv
         self.max_batch_rows = max_batch_rows
@@ -186,24 +187,23 @@ class HFEngine(RolloutEngine):
 
     # ---- weights ------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model by state-dict name; unknown names or wrong shapes raise
-        ValueError before anything is copied (so a bad update leaves the old weights intact)."""
-        self._check_open()
+    def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         targets = self.model.state_dict(keep_vars=True)
-        updates = list(named_tensors)
-        unknown = [name for name, _ in updates if name not in targets]
-        if unknown:
-            raise ValueError(
-                f"update_weights got {len(unknown)} names the model does not have, e.g. {unknown[:3]}: "
-                "pass Hugging Face parameter names (strip wrappers such as 'module.' or '_orig_mod.')"
-            )
-        wrong = [(n, tuple(t.shape), tuple(targets[n].shape)) for n, t in updates if t.shape != targets[n].shape]
-        if wrong:
-            raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
         self._kept.clear()  # computed with the old weights
         for name, tensor in updates:
-            targets[name].copy_(tensor.detach())
+            targets[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """On a GPU, move the model to host memory until `wake_up` (the learner needs the room)."""
+        self._check_open()
+        self._kept.clear()
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        self._check_open()
+        self.model.to(self.device)
 
     def close(self) -> None:
         if not self._closed:

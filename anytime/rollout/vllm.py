@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 _SHM = "/dev/shm"
 _WEIGHTS_PREFIX = "anytime-weights-"
-_DTYPES = ("float32", "bfloat16", "float16")
+_SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no float64)
 
 
 # Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
@@ -105,8 +105,9 @@ def _remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
 
 
 def _inside_process_group() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and (
-        torch.distributed.get_world_size() > 1)
+    from anytime.dist import rank_world
+
+    return rank_world()[1] > 1
 
 
 @contextlib.contextmanager
@@ -159,8 +160,8 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoConfig
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported by the vllm engine; use one of {_DTYPES}")
+        if dtype not in _SERVED_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported by the vllm engine; use one of {_SERVED_DTYPES}")
         config = AutoConfig.from_pretrained(model_path)
         _check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
 
@@ -310,22 +311,8 @@ class VLLMEngine(RolloutEngine):
         return [[next(flat) for _ in brs] for brs in branches]
 
     # ---- weights and memory -------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors into the running engine and drop the prefix cache
-        (cached KV blocks were computed with the old weights)."""
-        self._check_open()
-        updates = [(name, t.detach()) for name, t in named_tensors]
-        unknown = [name for name, _ in updates if name not in self._weight_shapes]
-        if unknown:
-            raise ValueError(
-                f"update_weights got {len(unknown)} names the model does not have, e.g. {unknown[:3]}: "
-                "pass Hugging Face parameter names (strip wrappers such as 'module.' or '_orig_mod.')"
-            )
-        wrong = [
-            (n, tuple(t.shape), self._weight_shapes[n]) for n, t in updates if tuple(t.shape) != self._weight_shapes[n]
-        ]
-        if wrong:
-            raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
+    def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        """Load into the running engine and drop the prefix cache (its KV blocks came from the old weights)."""
         payload = _write_weights(updates) if self.own_process else updates
         try:
             self._llm.collective_rpc("anytime_load_weights", args=(payload,))

@@ -1,5 +1,6 @@
-"""The pipeline learner: a HF causal LM split into stages over the ranks of a process group, trained
-with the RL policy loss on any schedule of `anytime.pipeline.schedule`, one optimizer per rank.
+"""A HF causal LM split into pipeline stages over the ranks of a process group: the stage-level
+runtime that trains it with the RL policy loss on any schedule of `anytime.pipeline.schedule`, one
+optimizer per rank. (`anytime.learner.pipeline_learner.PipelineLearner` is the RL learner built on it.)
 
 `PipelineExecutor` (runtime.py) runs the schedule; this module owns what sits around it: building
 the stages, the per-microbatch policy loss on the last stage, the post-validated optimizer step,
@@ -42,8 +43,8 @@ def _targets(t: torch.Tensor, rows: int, length: int, name: str) -> torch.Tensor
                      f"(aligned with input_ids[:, 1:]) or [{rows}, {length}]")
 
 
-class PipelineLearner:
-    """Policy-gradient learner for a HF causal LM split over the ranks of `group`.
+class PipelinedCausalLM:
+    """A HF causal LM split over the ranks of `group`, trained with the policy-gradient loss.
 
     Every rank of the pipeline group builds it with the same arguments and calls the same
     methods with the same batch (the batch is small next to the model; each stage takes what it
@@ -74,7 +75,7 @@ class PipelineLearner:
         from anytime.pipeline.schedule import build_schedule
 
         if not dist.is_initialized():
-            raise ValueError("PipelineLearner needs an initialised torch.distributed process group")
+            raise ValueError("PipelinedCausalLM needs an initialised torch.distributed process group")
         ranks = dist.get_world_size(group)
         if isinstance(schedule, str):
             if microbatches is None:
@@ -262,8 +263,9 @@ class PipelineLearner:
         tokens = sum(o["tokens"] for o in outputs)
         weighted = {k: sum(o.get(k, 0.0) * o["tokens"] for o in outputs) for k in _WEIGHTED}
         self._pending_metrics = {"loss": sum(stats.losses), "tokens": tokens, **weighted}
+        # `sums`: this rank's loss and token-weighted statistics (non-zero on the last stage only)
         return {"loss": sum(stats.losses) if stats.losses else None, "step_time": stats.wall,
-                "peak_saved_bytes": stats.peak_saved_bytes}
+                "peak_saved_bytes": stats.peak_saved_bytes, "sums": dict(self._pending_metrics)}
 
     def optimizer_step(self) -> None:
         """Speculative step (post-validation) or the blocking clip-then-step when disabled."""

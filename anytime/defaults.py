@@ -1,0 +1,29 @@
+"""Values that must mean one thing everywhere: the paper's rollout defaults (AnytimeReasoner §1,
+R1-Distill models) and the dtype names recipes and the CLI accept. Recipes, the eval CLI, the
+rollout settings and the synthetic task all read them from here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+THINK_END = "</think>"
+# Appended after a thinking trace cut at a budget (never trained), then the answer header.
+CLOSE_TEXT = "\n\n...\n\n</think>"
+HEADER = "\n\n**Final Answer**\n"
+# The paper caps a summary at 128 tokens, of which the inserted close/header take about 10.
+SUMMARY_MAX_TOKENS = 118
+INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a recipe dtype name; an error naming the allowed ones otherwise."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)

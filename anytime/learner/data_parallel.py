@@ -1,0 +1,137 @@
+"""Data-parallel learners: the whole model on every rank, each rank training the rows of its own
+prompts in micro-batches packed by a token budget, gradients averaged across ranks.
+`TorchLearner` runs plain PyTorch AdamW; `anytime.learner.deepspeed_learner` runs the same
+micro-batch loop on a DeepSpeed ZeRO engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from anytime.algo.logprobs import token_entropy, token_logprobs
+from anytime.config import LearnerConfig
+from anytime.dist import any_across_ranks, is_main, max_across_ranks, rank_world
+from anytime.learner.base import LossSpec, StepResult, lr_lambda
+from anytime.learner.batch import TrainBatch
+from anytime.learner.ppo import add_sums, token_loss
+
+
+def load_model(path: str, dtype: torch.dtype, device: str, trust_remote_code: bool = False,
+               gradient_checkpointing: bool = False) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target-aligned log-probs (and entropies) of a batch's rows, [R, T-1]."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1]
+    lp = token_logprobs(logits, batch.labels)
+    return lp, (token_entropy(logits) if with_entropy else None)
+
+
+class DataParallelLearner:
+    """The micro-batch loop shared by the torch and DeepSpeed learners; subclasses say how a loss
+    is backpropagated (`_backward`) and how a step is taken."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, ref_model: torch.nn.Module | None = None):
+        self.model, self.cfg, self.ref_model = model, cfg, ref_model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        world = rank_world()[1]
+        self.dp_size, self.dp_ranks = world, list(range(world))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        out = torch.zeros(batch.advantages.shape, dtype=torch.float32)
+        for rows in batch.micro_batch_rows(self.cfg.micro_batch_tokens):
+            micro = batch.select(rows)
+            lp, _ = forward_logprobs(self.model, micro.to(self.device))
+            valid = torch.arange(lp.shape[1]) < (micro.lengths[:, None] - 1)
+            out[rows, : lp.shape[1]] = torch.where(valid, lp.float().cpu(), 0.0)
+        self.model.train(was_training)
+        return out
+
+    def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
+        """Micro-batches packed by `learner.micro_batch_tokens`; ranks with fewer run empty ones, so
+        all ranks take the same number of backward passes (ZeRO reduces inside them). A non-finite
+        micro-batch loss on any rank stops every rank before its backward."""
+        self.model.train()
+        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
+        most = max_across_ranks(len(micro))
+        micro += [batch.select([]).with_padding_rows(1)] * (most - len(micro))
+        sums: dict[str, float] = {}
+        for index, mb in enumerate(micro):
+            mb = mb.to(self.device)
+            lp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
+            ref_lp = None
+            if self.ref_model is not None and loss.kl_coef != 0.0:
+                with torch.no_grad():
+                    ref_lp, _ = forward_logprobs(self.ref_model, mb)
+            value, part = token_loss(lp, entropy, mb, loss, ref_lp)
+            if any_across_ranks(not bool(torch.isfinite(value))):
+                return {**sums, "loss": float("nan")}
+            self._backward(value, last=index == len(micro) - 1)
+            add_sums(sums, part)
+        return sums
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        loss.backward()
+
+
+class TorchLearner(DataParallelLearner):
+    """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are all-reduced at the step."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
+                 ref_model: torch.nn.Module | None = None):
+        super().__init__(model, cfg, ref_model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+
+    def optimizer_step(self) -> StepResult:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= self.dp_size
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if any_across_ranks(not bool(torch.isfinite(norm))):
+            self.zero_grad()
+            return StepResult(float(norm), True, lr)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.zero_grad()
+        return StepResult(float(norm), False, lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save(self, folder: Path) -> None:
+        if is_main():  # the replicas are identical: one copy
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        from anytime.learner.checkpoint import load_model_weights, load_tensors
+
+        load_model_weights(self.model, folder)
+        state = load_tensors(folder / "optimizer.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,134 @@
+"""A rollout worker: one engine, one verifier, the anytime rollout, the advantage estimators and the
+train-batch builder behind one call, `worker.rollout(prompts, golds, step) -> (TrainBatch, metrics)`,
+plus the held-out evaluation on the same engine and the learner's weights coming back to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
+from anytime.budget import anytime_score
+from anytime.config import Recipe
+from anytime.learner.batch import TrainBatch, build_train_batch
+from anytime.rollout.anytime import AnytimeRollout, AnytimeRolloutRunner, AnytimeSettings, _encode
+
+log = logging.getLogger(__name__)
+
+
+def engine_max_len(recipe: Recipe, tokenizer: Any) -> int:
+    """The longest request the rollout makes: the longest prompt, a whole thinking budget, the
+    inserted close and header, and a summary (unless the recipe sets rollout.max_model_len)."""
+    if recipe.rollout.max_model_len is not None:
+        return recipe.rollout.max_model_len
+    s = recipe.summary
+    inserted = len(_encode(tokenizer, s.close_text)) + len(_encode(tokenizer, s.header))
+    return recipe.data.max_prompt_len + recipe.budget.max_thinking + inserted + s.max_tokens
+
+
+class RolloutWorker:
+    """Everything between prompts and a `TrainBatch` for one engine (rank 0 of the learners owns it)."""
+
+    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int) -> None:
+        from anytime.reward import RewardScorer
+        from anytime.rollout.engine import create_engine
+
+        r = recipe
+        self.recipe, self.tokenizer, self.pad_id = recipe, tokenizer, pad_id
+        self.probs = r.budget.prior_probs()
+        kwargs: dict[str, Any] = {}
+        if r.rollout.engine == "vllm" and torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = r.rollout.enable_sleep
+        self.engine = create_engine(r.rollout.engine, model_path, max_model_len=engine_max_len(r, tokenizer),
+                                    max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
+                                    **kwargs)
+        self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
+        common = dict(summary_max_tokens=r.summary.max_tokens, close_text=r.summary.close_text,
+                      header=r.summary.header, think_end=r.summary.think_end, seed=r.trainer.seed)
+        self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, AnytimeSettings(
+            tuple(r.budget.grid()), r.rollout.n, r.summary.n, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
+            summary_temperature=r.summary.temperature, **common))
+        ev = r.eval
+        self.eval_budgets = list(ev.budgets or r.budget.grid())
+        self.eval_runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, AnytimeSettings(
+            tuple(self.eval_budgets), ev.samples, 1, temperature=ev.temperature if ev.temperature > 0 else 0.0,
+            top_p=ev.top_p, summary_temperature=ev.temperature, **common))
+
+    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        """One step's rollout → (train batch, metrics, stage timings)."""
+        import time
+
+        r = self.recipe
+        rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step)
+        timings = dict(rollout.timings)
+        start = time.perf_counter()
+        scores = rollout.budget_scores.double()  # [B, G, S]
+        t_adv = thinking_advantages(r.algorithm.estimator, scores, self.probs, decay=r.algorithm.decay,
+                                    variant=r.algorithm.variance_reduction)
+        s_adv = summary_advantages_by_name(r.summary.estimator, rollout.scores.double(), rollout.prefix_group)
+        batch = build_train_batch(rollout, t_adv, s_adv, thinking_weight=r.algorithm.thinking_loss_weight,
+                                  summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
+                                  drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0,
+                                  pad_id=self.pad_id)
+        timings["adv"] = time.perf_counter() - start
+        return batch, self._metrics(rollout, t_adv, s_adv, len(batch)), timings
+
+    def _metrics(self, rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, rows: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        acc = rollout.accuracy_per_budget()
+        for b, a in zip(rollout.budgets, acc):
+            metrics[f"train/acc@{b}"] = a
+        metrics["train/anytime_score"] = anytime_score(acc, self.probs)
+        metrics["train/think_len"] = float(rollout.think_len.double().mean())
+        metrics["train/think_closed_frac"] = float(rollout.natural_end.double().mean())
+        metrics["adv/thinking_mean"] = float(t_adv.mean())
+        metrics["adv/thinking_abs"] = float(t_adv.abs().mean())
+        metrics["adv/summary_abs"] = float(s_adv.abs().mean())
+        reasons = rollout.failure_reasons()
+        total = sum(reasons.values())
+        for reason, count in reasons.items():
+            metrics[f"verifier/{reason}"] = count / total
+        metrics["train/rows"] = rows
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy at every eval budget on the recipe's benchmarks (greedy by default)."""
+        from anytime.benchmarks import load_benchmark
+        from anytime.evaluate import evaluate_rows
+
+        r, ev = self.recipe, self.recipe.eval
+        result: dict[str, float] = {}
+        scores = []
+        for name in ev.benchmarks:
+            rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
+                                  synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops))
+            out = evaluate_rows(self.eval_runner, self.tokenizer, rows, budgets=self.eval_budgets,
+                                instruction=r.data.instruction, max_prompt_len=r.data.max_prompt_len, seed=ev.seed)
+            for j, b in enumerate(self.eval_budgets):
+                result[f"eval/{name}/acc@{b}"] = out["accuracy"][j]
+            result[f"eval/{name}/anytime"] = out["anytime_accuracy"]
+            result[f"eval/{name}/final"] = out["final_accuracy"]
+            result[f"eval/{name}/think_len"] = out["avg_thinking_length"]
+            scores.append(out["anytime_accuracy"])
+        result["eval/anytime"] = sum(scores) / max(len(scores), 1)
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory for the learner update (vLLM sleep mode on a GPU)."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.scorer.close()
+        self.engine.close()

@@ -102,6 +102,10 @@ class AlgorithmConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "constant"] = "constant"
+    # Width of the `constant` normaliser (loss = Σ token terms / (traces × width)). The official
+    # code uses its max_response_length, fixed per recipe: 10176 = 8000 + 16 × 136 for the 8k runs.
+    # null derives it from each batch: largest budget + S·A·(inserted + summary tokens).
+    loss_norm_length: int | None = None
     kl_coef: float = 0.0
     kl_type: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
@@ -388,6 +392,8 @@ def validate(r: Recipe) -> None:
     _require(0 <= r.algorithm.clip_low < 1, f"`algorithm.clip_low` must be in [0, 1), got {r.algorithm.clip_low}")
     _require(r.algorithm.clip_high >= 0, f"`algorithm.clip_high` must be >= 0, got {r.algorithm.clip_high}")
     _require(0 < r.algorithm.decay <= 1, f"`algorithm.decay` (λ) must be in (0, 1], got {r.algorithm.decay}")
+    _require(r.algorithm.loss_norm_length is None or r.algorithm.loss_norm_length > 0,
+             f"`algorithm.loss_norm_length` must be a positive token count or null, got {r.algorithm.loss_norm_length}")
     _require(r.algorithm.kl_coef == 0 or r.learner.reference_model,
              "`algorithm.kl_coef` > 0 needs `learner.reference_model: true`")
     _require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")

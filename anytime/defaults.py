@@ -10,8 +10,10 @@ if TYPE_CHECKING:
     import torch
 
 THINK_END = "</think>"
-# Appended after a thinking trace cut at a budget (never trained), then the answer header.
-CLOSE_TEXT = "\n\n...\n\n</think>"
+# Appended after a thinking trace cut at a budget (never trained), then the answer header. The
+# official code's text: its first "..." runs straight on from the cut tokens; the R1-distilled
+# models the paper trains have seen exactly this.
+CLOSE_TEXT = "...\n\n...\n\n</think>"
 HEADER = "\n\n**Final Answer**\n"
 # The paper caps a summary at 128 tokens, of which the inserted close/header take about 10.
 SUMMARY_MAX_TOKENS = 118

@@ -68,8 +68,10 @@ def test_summary_advantages_shared_prefix_and_single_summary():
     # A = 1 and no sharing: baseline over the G traces at the same budget.
     single = torch.tensor([[[1], [0]], [[0], [0]]], dtype=torch.float64)  # [G=2, S=2, A=1]
     assert torch.allclose(summary_advantages(single)[:, 0, 0], torch.tensor([.5, -.5], dtype=torch.float64))
-    # A = 1 with prefix groups: a lone summary gets baseline 0.
-    assert torch.allclose(summary_advantages(single, torch.tensor([[0, 1], [0, 1]])), single)
+    # A = 1: the same G-mean baseline whatever the prefix groups (the official code), not 0.
+    groups = torch.tensor([[0, 1], [0, 0]])
+    assert torch.allclose(summary_advantages(single, groups), summary_advantages(single))
+    assert torch.allclose(summary_advantages(single, groups)[:, 1, 0], torch.zeros(2, dtype=torch.float64))
 
 
 def test_summary_last_only():

@@ -103,7 +103,7 @@ def test_summary_text_is_scored_for_natural_and_forced_ends(setup):
     length = len(tok("1: 3+4=7\n", add_special_tokens=False)["input_ids"]) + 1  # + its own </think>
     branches, _ = runner.summary_plan(length, True, False, [4, 16])
     texts = [runner.summary_text(br.cut == length, br, answer) for br in branches]
-    assert texts[0].startswith("\n\n...\n\n</think>") and texts[1].startswith("</think>\n\n**Final Answer**")
+    assert texts[0].startswith("...\n\n...\n\n</think>") and texts[1].startswith("</think>\n\n**Final Answer**")
     assert [v.score for v in scorer.score(texts, ["7", "7"])] == [1.0, 1.0]
     twice = runner.summary_text(True, branches[1], tok("</think>\\boxed{7}", add_special_tokens=False)["input_ids"])
     assert scorer.score([twice], ["7"])[0].reason == "bad_format"  # a second </think> breaks the format rule

@@ -26,7 +26,9 @@ QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 GOLDEN = REPO / "tests" / "golden" / "quickstart.json"
 
 COMMON = ["trainer.steps=5", "trainer.save_every=5", "eval.limit=40", "logging.progress=false",
-          "logging.tensorboard=false", "trainer.num_threads=1", "sft.steps=0", "model.tiny=false"]
+          "logging.tensorboard=false", "trainer.num_threads=1", "sft.steps=0", "model.tiny=false",
+          # the close text the goldens were recorded with (the default is now the official one)
+          "summary.close_text=\"\\n\\n...\\n\\n</think>\""]
 VARIANTS: dict[str, list[str]] = {
     "torch": ["model.dtype=float64"],
     "pipeline": ["model.dtype=float64", "learner.pipeline.stages=2", "learner.pipeline.schedule=zb-h1",

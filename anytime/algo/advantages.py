@@ -72,17 +72,17 @@ def summary_advantages(scores: torch.Tensor, prefix_group: torch.Tensor | None =
     """Summary advantages `[G, S, A]` (or `[B, G, S, A]`): score minus the mean of the summaries that
     share the same truncated prefix. `prefix_group [.., G, S]` gives budgets of one trace that share
     one summary prompt (past the trace's natural end) the same id; by default every budget is its own
-    prefix. A prefix holding a single summary gets baseline 0; with A = 1 and no shared prefixes the
-    baseline is the mean over the G traces at the same budget (the paper code's fallback)."""
+    prefix. A prefix holding a single summary gets baseline 0. With A = 1 the baseline is the mean
+    over the G traces at the same budget, whatever the prefix groups (the official code's rule)."""
     scores = torch.as_tensor(scores)
     if not scores.is_floating_point():
         scores = scores.double()
     if scores.dim() not in (3, 4):
         raise ValueError(f"scores must be [G, S, A] or [B, G, S, A], got shape {tuple(scores.shape)}")
     A = scores.shape[-1]
+    if A == 1:
+        return scores - scores.mean(dim=-3, keepdim=True)
     if prefix_group is None:
-        if A == 1:
-            return scores - scores.mean(dim=-3, keepdim=True)
         return scores - scores.mean(dim=-1, keepdim=True)
     prefix_group = torch.as_tensor(prefix_group, device=scores.device)
     if prefix_group.shape != scores.shape[:-1]:

@@ -28,7 +28,8 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> Loss
 
     - `token-mean`: the trained tokens of this rank's prompts in the mini-batch, counted before
       zero-advantage rows were dropped (dropping them then changes nothing);
-    - `constant` (Dr.GRPO): those prompts' traces × the batch width `max_len`;
+    - `constant` (Dr.GRPO): those prompts' traces × a width: `algorithm.loss_norm_length` when the
+      recipe fixes it (the official code's max_response_length), else the batch's `max_len`;
     - `seq-mean-token-mean`: the rows this rank trains in the mini-batch.
     Each data-parallel rank normalises its own share and the gradients are averaged across ranks.
     """
@@ -39,7 +40,8 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> Loss
     elif algo.loss_agg == "seq-mean-token-mean":
         rows = float(max(len(mini.batch), 1))
     return LossSpec(algo.loss_agg, algo.clip_low, algo.clip_high, num_tokens=max(tokens, 1.0), num_rows=rows,
-                    max_len=batch.max_len, entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_type=algo.kl_type)
+                    max_len=algo.loss_norm_length or batch.max_len, entropy_coef=algo.entropy_coef,
+                    kl_coef=algo.kl_coef, kl_type=algo.kl_type)
 
 
 def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch, spec: LossSpec,

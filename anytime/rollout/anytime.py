@@ -105,6 +105,11 @@ def token_id_of(tokenizer: Any, text: str) -> int:
     return ids[0]
 
 
+def eos_zeroed(eos_end: bool, length: int, budget: int) -> bool:
+    """A trace that stopped on EOS (without closing its thinking) scores 0 at budgets b ≥ |z|."""
+    return eos_end and budget >= length
+
+
 def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Ragged rows (in row-major order of `shape`) right-padded with zeros into [*shape, longest]."""
     width = max((len(r) for r in rows), default=0)
@@ -143,17 +148,21 @@ class AnytimeRolloutRunner:
     def summary_plan(self, length: int, natural_end: bool, eos_end: bool,
                      budgets: Sequence[int]) -> tuple[list[Branch], list[int]]:
         """The branch (cut + inserted tokens) of every budget for a trace of `length` tokens, and
-        its prefix-group id."""
+        its prefix-group id.
+
+        A trace that stopped on EOS is really cut at every budget below its length (scored as
+        usual); the budgets at or past the EOS score 0 (`eos_zeroed`) and form their own group,
+        even though their summary prompt (the trace without its EOS) equals the last real cut's."""
         content = length - (1 if eos_end else 0)
         branches: list[Branch] = []
         groups: list[int] = []
-        seen: dict[Branch, int] = {}
+        seen: dict[tuple[Branch, bool], int] = {}
         for b in budgets:
             if natural_end and length <= b:
                 branch = Branch(length, tuple(self.header_ids))
             else:
                 branch = Branch(min(b, content), tuple(self.close_ids + self.header_ids))
-            groups.append(seen.setdefault(branch, len(seen)))
+            groups.append(seen.setdefault((branch, eos_zeroed(eos_end, length, b)), len(seen)))
             branches.append(branch)
         return branches, groups
 
@@ -211,11 +220,11 @@ class AnytimeRolloutRunner:
         start = time.perf_counter()
         verdicts = self.scorer.score(texts, gold_list)
         timings["reward"] = time.perf_counter() - start
-        # EOS inside the thinking scores 0 at and past its end (the paper's rule).
+        # EOS inside the thinking scores 0 at the budgets at or past it (the official code's rule).
         per_trace = S * A
         for i, verdict in enumerate(verdicts):
             k, j = divmod(i // A, S)
-            if eos[k] and plans[k][0][j].cut >= len(traces[k].token_ids) - 1:
+            if eos_zeroed(eos[k], len(traces[k].token_ids), budgets[j]):
                 verdicts[i] = Verdict(0.0, "bad_format", verdict.parsed)
         assert len(verdicts) == B * G * per_trace
 

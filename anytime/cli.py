@@ -30,9 +30,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from anytime.learner.launch import launch_train
+    from anytime.learner.launch import Nodes, launch_train
 
-    return launch_train(args.recipe, args.overrides)
+    return launch_train(args.recipe, args.overrides, Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint))
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run a recipe: optional SFT warm start, then anytime RL")
     _add_recipe_args(p)
+    p.add_argument("--nnodes", type=int, default=1, help="learner nodes (run `anytime train` on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank among --nnodes")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, the same on every node")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("sft", help="run only the supervised warm start of a recipe")

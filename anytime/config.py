@@ -64,6 +64,15 @@ class RolloutConfig:
     max_model_len: int | None = None    # default: prompt + thinking + summary
     gpu_memory_utilization: float = 0.6
     enable_sleep: bool = False           # engine sleeps during the learner update, wakes for the weight sync (GPU)
+    # Where rollouts run: inprocess (one worker on learner rank 0), colocated (a worker on every learner
+    # rank), ray (`workers` Ray actors); auto = inprocess with one learner process, else colocated.
+    placement: Literal["auto", "inprocess", "colocated", "ray"] = "auto"
+    workers: int = 1                     # Ray actors (placement: ray)
+    ray_cpus_per_worker: float = 1.0
+    ray_gpus_per_worker: float | None = None   # null: 1 when CUDA is available, else 0
+    # Weights to Ray actors: through Ray's object store, or NCCL from learner rank 0 (GPU; auto picks it there)
+    weight_sync: Literal["auto", "object_store", "nccl"] = "auto"
+    pin_cpus: bool = True                # CPU engines: each worker takes its own share of the cores
 
 
 @dataclass
@@ -371,7 +380,14 @@ def validate(r: Recipe) -> None:
         _require(abs(sum(b.probs) - 1.0) <= 1e-6, f"`budget.probs` must sum to 1, got {sum(b.probs):.6g}")
     else:
         _require(b.probs is None, f"`budget.probs` is only used with `budget.prior: explicit` (prior is {b.prior!r})")
+    _require(r.rollout.workers == 1 or r.rollout.placement == "ray",
+             f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: ray`; the colocated placement "
+             "runs one worker per learner process (raise learner.num_processes)")
+    _require(r.rollout.placement != "ray" or r.rollout.workers <= r.rollout.prompts_per_step,
+             f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
+             f"({r.rollout.prompts_per_step}): every worker needs a prompt")
     for key, value in (("rollout.n", r.rollout.n), ("rollout.prompts_per_step", r.rollout.prompts_per_step),
+                       ("rollout.workers", r.rollout.workers),
                        ("summary.n", r.summary.n), ("summary.max_tokens", r.summary.max_tokens),
                        ("data.max_prompt_len", r.data.max_prompt_len), ("trainer.steps", r.trainer.steps),
                        ("learner.ppo_epochs", r.learner.ppo_epochs),

@@ -117,6 +117,46 @@ def scatter_tensors(shares: Sequence[Mapping[str, torch.Tensor]] | None, src: in
     return out
 
 
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """A small picklable object (metric sums, timings) from every rank of `group`."""
+    if rank_world(group)[1] == 1:
+        return [obj]
+    out: list[Any] = [None] * rank_world(group)[1]
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_gather_tensors(tensors: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None
+                       ) -> list[dict[str, torch.Tensor]]:
+    """Every rank's tensors (of any shapes) on every rank of `group`, in group-rank order: the
+    layouts travel as objects, each tensor by one broadcast from its owner. Returns CPU tensors."""
+    if rank_world(group)[1] == 1:
+        return [dict(tensors)]
+    layouts = all_gather_object([(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()],
+                                group)
+    device, me = collective_device(), rank_world(group)[0]
+    out = []
+    for src, layout in enumerate(layouts):
+        owner = dist.get_global_rank(group, src) if group is not None else src
+        got = {}
+        for name, shape, dtype in layout:
+            target = getattr(torch, dtype)
+            if src == me:
+                wire = _to_wire(tensors[name]).to(device)
+            else:
+                wire = torch.empty(shape, dtype=torch.uint8 if target == torch.bool else target, device=device)
+            dist.broadcast(wire, owner, group=group)
+            got[name] = wire.to("cpu", target)
+        out.append(got)
+    return out
+
+
+def local_share(items: Sequence[Any], index: int, count: int) -> list[Any]:
+    """The `index`-th of `count` near-equal contiguous shares of `items` (every item in exactly one)."""
+    n = len(items)
+    return list(items[index * n // count: (index + 1) * n // count])
+
+
 def _to_wire(t: torch.Tensor) -> torch.Tensor:
     # gloo has no bool type; bytes carry the same values
     return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()

@@ -72,8 +72,9 @@ class Learner(Protocol):
     def zero_grad(self) -> None:
         """Drop the accumulated gradient without stepping."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under Hugging Face names, complete on rank 0."""
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's weights under Hugging Face names, complete on rank 0 (on every rank with
+        `all_ranks`, for rollout workers colocated with each learner rank)."""
 
     def save(self, folder: Path) -> None:
         """Write the learner's own state (optimizer, scheduler, shards) into `folder`."""

@@ -95,6 +95,34 @@ class TrainBatch:
             grown[name] = torch.cat([t, extra])
         return replace(self, **grown)
 
+    def reindexed(self, index: Sequence[int], num_prompts: int) -> TrainBatch:
+        """The rows of a worker that rolled out some of a step's prompts, under their indices in the
+        whole step: local prompt b becomes `index[b]`, and the per-prompt token counts a vector over
+        the step's `num_prompts` prompts (zero for prompts rolled out elsewhere)."""
+        index_t = torch.as_tensor(list(index), dtype=torch.long)
+        tokens = torch.zeros(num_prompts, dtype=self.tokens_per_prompt.dtype)
+        tokens[index_t] = self.tokens_per_prompt
+        return replace(self, prompt_index=index_t[self.prompt_index], tokens_per_prompt=tokens)
+
+    @staticmethod
+    def concat(batches: Sequence[TrainBatch]) -> TrainBatch:
+        """The rows of several workers' batches of one step (disjoint prompts), ordered by prompt as
+        one worker would have built them; per-prompt token counts add up."""
+        width = max(b.input_ids.shape[1] for b in batches)
+        first = batches[0]
+        joined = {}
+        for name in _ROW_FIELDS:
+            parts = [getattr(b, name) for b in batches]
+            if name == "input_ids":
+                parts = [_pad_columns(t, width, first.pad_id) for t in parts]
+            elif name in _TOKEN_FIELDS:
+                parts = [_pad_columns(t, width - 1, 0) for t in parts]
+            joined[name] = torch.cat(parts)
+        order = torch.argsort(joined["prompt_index"], stable=True)
+        joined = {name: t[order] for name, t in joined.items()}
+        return replace(first, **joined, tokens_per_prompt=sum(b.tokens_per_prompt for b in batches),
+                       max_len=max(b.max_len for b in batches))
+
     def to(self, device: torch.device | str) -> TrainBatch:
         return replace(self, **{name: getattr(self, name).to(device) for name in _ROW_FIELDS})
 

@@ -120,8 +120,8 @@ class TorchLearner(DataParallelLearner):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}  # every rank holds the model
 
     def save(self, folder: Path) -> None:
         if is_main():  # the replicas are identical: one copy

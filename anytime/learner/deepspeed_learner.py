@@ -89,8 +89,8 @@ class DeepSpeedLearner(DataParallelLearner):
         else:
             yield
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        with self._gathered():
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        with self._gathered():  # ZeRO-3 gathers on every rank
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def save(self, folder: Path) -> None:

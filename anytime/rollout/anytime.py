@@ -25,6 +25,7 @@ from anytime import defaults
 from anytime.budget import validate_grid
 from anytime.reward import REASONS, RewardScorer, Verdict
 from anytime.rollout.engine import Branch, RolloutEngine, SamplingConfig
+from anytime.rollout.seeding import request_seeds
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,10 @@ class AnytimeRolloutRunner:
         return self.tokenizer.decode(head + list(branch.suffix) + ids, skip_special_tokens=False)
 
     def run(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], budgets: Sequence[int] | None = None,
-            seed: int | None = None) -> AnytimeRollout:
+            seed: int | None = None, prompt_index: Sequence[int] | None = None) -> AnytimeRollout:
+        """`prompt_index`: each prompt's index in the whole step (default 0..B-1). Every sampled
+        sequence is seeded from it, so a prompt samples the same traces and summaries whichever worker
+        rolls it out and whatever else that worker serves."""
         s = self.settings
         budgets = list(s.budgets if budgets is None else budgets)
         validate_grid(budgets)
@@ -184,12 +188,16 @@ class AnytimeRolloutRunner:
             raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold answers")
         seed = s.seed if seed is None else seed
         B, G, S, A = len(prompts), s.traces_per_prompt, len(budgets), s.summaries_per_budget
+        index = list(range(B)) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(index) != B:
+            raise ValueError(f"{len(index)} prompt indices for {B} prompts")
         timings: dict[str, float] = {}
 
         start = time.perf_counter()
         thinking = self.engine.generate(
             prompts, SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature,
-                                    top_p=s.top_p, stop_token_ids=(self.think_end_id, *self.eos_ids), seed=seed))
+                                    top_p=s.top_p, stop_token_ids=(self.think_end_id, *self.eos_ids),
+                                    request_seeds=request_seeds(seed, index)))
         timings["gen"] = time.perf_counter() - start
         traces = [c for per_prompt in thinking for c in per_prompt]            # [B·G]
         natural = [bool(c.token_ids) and c.token_ids[-1] == self.think_end_id for c in traces]
@@ -206,7 +214,9 @@ class AnytimeRolloutRunner:
         sampled = self.engine.generate_branches(
             prefixes, branch_lists,
             SamplingConfig(max_new_tokens=s.summary_max_tokens, n=A, temperature=s.summary_temperature,
-                           top_p=s.top_p, stop_token_ids=self.eos_ids, seed=seed + 1))
+                           top_p=s.top_p, stop_token_ids=self.eos_ids,
+                           request_seeds=request_seeds(seed + 1, [(p * G + g) * S + j for p in index
+                                                                  for g in range(G) for j in range(S)])))
         timings["summaries"] = time.perf_counter() - start
 
         texts, gold_list, summaries = [], [], []

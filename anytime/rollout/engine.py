@@ -32,6 +32,10 @@ class SamplingConfig:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # One seed per request of the call (a prompt, or a branch in prefix-major order), derived by the
+    # caller from each request's global index: samples then do not depend on which worker or batch
+    # served a request. Overrides `seed`.
+    request_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +48,18 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         # Accept any sequence (e.g. a list from a YAML recipe) but store a hashable tuple.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.request_seeds is not None:
+            object.__setattr__(self, "request_seeds", tuple(int(t) for t in self.request_seeds))
+
+    def seeds_for(self, num_requests: int) -> list[int] | None:
+        """The seed of each of `num_requests` requests (None: unseeded sampling)."""
+        from anytime.rollout.seeding import request_seeds
+
+        if self.request_seeds is not None:
+            if len(self.request_seeds) != num_requests:
+                raise ValueError(f"{len(self.request_seeds)} request seeds for {num_requests} requests")
+            return list(self.request_seeds)
+        return None if self.seed is None else request_seeds(self.seed, range(num_requests))
 
     @property
     def greedy(self) -> bool:

@@ -20,12 +20,14 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from anytime.defaults import DTYPE_NAMES, torch_dtype
 from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig, _check_lengths
+from anytime.rollout.seeding import sample_seeds, uniforms
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,11 @@ class _Retain:
 
     prompts: list[list[int]]
     width: int
+
+
+def _rows(streams: np.ndarray | torch.Generator, first: int, requests: int, n: int) -> np.ndarray | torch.Generator:
+    """The per-sample streams of `requests` consecutive requests from request `first` on."""
+    return streams if isinstance(streams, torch.Generator) else streams[first * n: (first + requests) * n]
 
 
 def _chunks(sizes: Sequence[int], limit: int) -> Iterator[range]:
@@ -229,14 +236,18 @@ class HFEngine(RolloutEngine):
                 flat = iter(self._sample_prompts(prompts, params, keep=False))
                 return [[next(flat) for _ in brs] for brs in branches]
 
-            gen = self._sampling_generator(params)
+            streams = self._streams(params, sum(len(b) for b in branches))
             out: list[list[list[Completion]]] = []
+            done = 0  # branches (requests) served so far
             for idx in _chunks([len(b) * params.n for b in branches], self.max_batch_rows):
                 chunk_branches = [branches[i] for i in idx]
+                requests = sum(len(b) for b in chunk_branches)
                 batch = self._start_branches([prefixes[i] for i in idx], chunk_branches, params.max_new_tokens)
                 expand = torch.arange(batch.mask.shape[0], device=self.device).repeat_interleave(params.n)
-                flat = iter(self._decode(self._select_rows(batch, expand), params, gen))
+                rng = _rows(streams, done, requests, params.n)
+                flat = iter(self._decode(self._select_rows(batch, expand), params, rng))
                 out.extend([[next(flat) for _ in range(params.n)] for _ in brs] for brs in chunk_branches)
+                done += requests
             return out
         finally:
             self._kept.clear()  # summaries are the kept KV's only use: free the memory now
@@ -244,23 +255,23 @@ class HFEngine(RolloutEngine):
     def _sample_prompts(
         self, prompts: list[list[int]], params: SamplingConfig, *, keep: bool
     ) -> list[list[Completion]]:
-        gen = self._sampling_generator(params)
+        streams = self._streams(params, len(prompts))
         out: list[list[Completion]] = []
         for idx in _chunks([params.n] * len(prompts), self.max_batch_rows):
             chunk = [prompts[i] for i in idx]
             batch = self._prefill(chunk, params.max_new_tokens)
             retain = _Retain([p for p in chunk for _ in range(params.n)], batch.mask.shape[1]) if keep else None
             expand = torch.arange(len(idx), device=self.device).repeat_interleave(params.n)
-            flat = self._decode(self._select_rows(batch, expand), params, gen, retain)
+            rng = _rows(streams, idx.start, len(idx), params.n)
+            flat = self._decode(self._select_rows(batch, expand), params, rng, retain)
             out.extend(flat[k * params.n : (k + 1) * params.n] for k in range(len(idx)))
         return out
 
-    def _sampling_generator(self, params: SamplingConfig) -> torch.Generator:
-        """A per-call generator when the request carries a seed (reproducible call by call),
-        otherwise the engine's own stream (seeded once at construction)."""
-        if params.seed is None:
-            return self._generator
-        return torch.Generator(device=self.device).manual_seed(params.seed)
+    def _streams(self, params: SamplingConfig, num_requests: int) -> np.ndarray | torch.Generator:
+        """A seeded call: one random stream per sample ([requests · n] seeds, request-major), so a
+        sample does not depend on its batch or worker; unseeded: the engine's own generator."""
+        seeds = params.seeds_for(num_requests)
+        return self._generator if seeds is None else sample_seeds(seeds, params.n)
 
     def _forward(self, input_ids, mask, position_ids, cache) -> torch.Tensor:
         """Run the model on new tokens; returns raw logits of the last position per row."""
@@ -361,8 +372,9 @@ class HFEngine(RolloutEngine):
         batch.cache.reorder_cache(index)
         return _Batch(batch.cache, batch.mask[index], batch.positions[index], batch.logits[index])
 
-    def _sample(self, logits: torch.Tensor, params: SamplingConfig, gen: torch.Generator):
-        """Pick next tokens; return (tokens, raw logprobs of those tokens)."""
+    def _sample(self, logits: torch.Tensor, params: SamplingConfig, rng: np.ndarray | torch.Generator, step: int):
+        """Pick next tokens; return (tokens, raw logprobs of those tokens). With per-row streams each
+        row inverts its own CDF at its stream's uniform for this token position."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if params.greedy:
@@ -374,7 +386,12 @@ class HFEngine(RolloutEngine):
             if params.top_p < 1.0:
                 scores = TopPLogitsWarper(params.top_p)(None, scores)
             probs = torch.softmax(scores, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            if isinstance(rng, torch.Generator):
+                tokens = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+            else:
+                cdf = probs.double().cumsum(-1)
+                u = torch.from_numpy(uniforms(rng, step)).to(cdf.device)[:, None] * cdf[:, -1:]
+                tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
         return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _keep_rows(
@@ -391,7 +408,7 @@ class HFEngine(RolloutEngine):
             self._kept[key] = self._row_kv(batch.cache, b, torch.cat([prompt_cols, gen_cols]))
 
     def _decode(
-        self, batch: _Batch, params: SamplingConfig, gen: torch.Generator, retain: _Retain | None = None
+        self, batch: _Batch, params: SamplingConfig, rng: np.ndarray | torch.Generator, retain: _Retain | None = None
     ) -> list[Completion]:
         """Sampling loop; rows that finish are dropped from the batch once enough have finished
         that compacting the cache pays for its copy."""
@@ -404,7 +421,7 @@ class HFEngine(RolloutEngine):
         done = torch.zeros(n_rows, dtype=torch.bool, device=self.device)  # per batch row
 
         for step in range(params.max_new_tokens):
-            tokens, lps = self._sample(batch.logits, params, gen)
+            tokens, lps = self._sample(batch.logits, params, rng, step)
             rows_cpu, tok_cpu, lp_cpu, done_cpu = live.tolist(), tokens.tolist(), lps.tolist(), done.tolist()
             for b, r in enumerate(rows_cpu):
                 if not done_cpu[b]:
@@ -423,6 +440,8 @@ class HFEngine(RolloutEngine):
                     self._keep_rows(batch, done.nonzero().flatten().tolist(), rows_cpu, token_ids, retain)
                 keep = (~done).nonzero().flatten()
                 batch = self._select_rows(batch, keep)
+                if isinstance(rng, np.ndarray):
+                    rng = rng[keep.cpu().numpy()]
                 tokens, live, done = tokens[keep], live[keep], done[keep]
             ones = torch.ones((tokens.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
             mask = torch.cat([batch.mask, ones], dim=1)

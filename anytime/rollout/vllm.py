@@ -26,7 +26,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from anytime.rollout.engine import (
@@ -65,6 +64,42 @@ class AnytimeWorkerExtension:
             weights = list(load_file(weights).items())
         self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
 
+    def anytime_init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join a NCCL group with learner rank 0 (its rank 0) for weight broadcasts (GPU only)."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+        self._anytime_nccl = PyNcclCommunicator(group, device=self.device)  # type: ignore[attr-defined]
+
+    def anytime_receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """Receive every weight of `layout` (name, shape, dtype) by broadcast from learner rank 0, then load."""
+        weights = []
+        for name, shape, dtype in layout:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)  # type: ignore[attr-defined]
+            self._anytime_nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+            weights.append((name, tensor))
+        torch.cuda.synchronize()
+        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+
+
+class NcclWeightSender:
+    """Learner rank 0's end of the NCCL weight group with the engines (it is rank 0 of `world_size`).
+    The engines must join (`VLLMEngine.init_weight_group`) while this is constructed."""
+
+    def __init__(self, host: str, port: int, world_size: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
+        self.comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+
+    def send(self, state: dict[str, torch.Tensor]) -> None:
+        """Broadcast every weight, in `state`'s order (the engines receive in the same order)."""
+        for tensor in state.values():
+            self.comm.broadcast(tensor.detach().cuda().contiguous(), src=0, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+
 
 def _write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
     """Write weights to a fresh safetensors file for the engine process, in RAM (/dev/shm) when it
@@ -102,6 +137,12 @@ def _remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
             if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def _child_pids() -> set[int]:
+    import psutil  # a vLLM dependency
+
+    return {p.pid for p in psutil.Process().children(recursive=False)}
 
 
 def _inside_process_group() -> bool:
@@ -227,11 +268,16 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         # A previous engine in this process froze vLLM's environment; read the settings above afresh.
         envs.disable_envs_cache()
+        before = _child_pids()
         try:
             with _launcher_env_hidden():
                 self._llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
+        if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
+            from anytime.watchdog import watch
+
+            watch(_child_pids() - before)
         self._closed = False
 
     @staticmethod
@@ -246,15 +292,12 @@ class VLLMEngine(RolloutEngine):
     # ---- generation ---------------------------------------------------------------------------
     @staticmethod
     def _sampling_params(params: SamplingConfig, num_requests: int) -> list[Any]:
-        """One SamplingParams per request. A seeded call gives every request its own seed, derived
-        from (call seed, request index): samples then do not depend on how the scheduler batches
-        requests, and no two prompts share their random stream."""
+        """One SamplingParams per request. A seeded call gives every request its own seed (from its
+        global index, see `anytime.rollout.seeding`): samples then do not depend on how the scheduler
+        batches requests or which worker serves them, and no two requests share a random stream."""
         from vllm import SamplingParams
 
-        seeds: list[int | None] = [None] * num_requests
-        if params.seed is not None:
-            states = np.random.SeedSequence(params.seed).spawn(num_requests)
-            seeds = [int(s.generate_state(1, np.uint64)[0] >> 1) for s in states]  # vLLM takes a signed int64
+        seeds: list[int | None] = params.seeds_for(num_requests) or [None] * num_requests
         return [
             SamplingParams(
                 n=params.n,
@@ -273,7 +316,8 @@ class VLLMEngine(RolloutEngine):
     def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
         if params.greedy and params.n > 1:
             # vLLM refuses n > 1 for greedy requests; the n samples are identical anyway.
-            single = self._run([p for p in prompts for _ in range(params.n)], replace(params, n=1))
+            single = self._run([p for p in prompts for _ in range(params.n)],
+                               replace(params, n=1, seed=None, request_seeds=None))
             return [[c[0] for c in single[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
         from vllm.inputs import TokensPrompt
 
@@ -339,6 +383,20 @@ class VLLMEngine(RolloutEngine):
             logger.info("vLLM sleep mode is not enabled on this %s engine: wake_up() is a no-op", self._where)
             return
         self._llm.wake_up()
+
+    def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join learner rank 0's NCCL weight group (GPU engines; see `NcclWeightSender`)."""
+        self._check_open()
+        self._llm.collective_rpc("anytime_init_weight_group", args=(host, port, rank, world_size))
+
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """Take the weights learner rank 0 broadcasts now, in `layout` order, and drop the prefix cache."""
+        self._check_open()
+        try:
+            self._llm.collective_rpc("anytime_receive_weights", args=(layout,))
+            self._llm.reset_prefix_cache()
+        except Exception as e:
+            raise EngineError(f"vLLM weight update over NCCL failed: {type(e).__name__}: {e}") from e
 
     @property
     def _where(self) -> str:

@@ -6,6 +6,7 @@ plus the held-out evaluation on the same engine and the learner's weights coming
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,44 @@ def engine_max_len(recipe: Recipe, tokenizer: Any) -> int:
     s = recipe.summary
     inserted = len(_encode(tokenizer, s.close_text)) + len(_encode(tokenizer, s.header))
     return recipe.data.max_prompt_len + recipe.budget.max_thinking + inserted + s.max_tokens
+
+
+def rollout_sums(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, rows: int) -> dict[str, float]:
+    """The rollout's metrics as sums and counts, so the metrics of several workers add up exactly."""
+    B, G, S, A = rollout.scores.shape
+    sums = {f"acc_sum/{j}": float(rollout.scores[:, :, j].sum()) for j in range(S)}
+    sums.update({
+        "summaries_per_budget": float(B * G * A), "traces": float(B * G),
+        "think_len_sum": float(rollout.think_len.sum()), "closed_sum": float(rollout.natural_end.sum()),
+        "t_adv_sum": float(t_adv.sum()), "t_adv_abs_sum": float(t_adv.abs().sum()), "t_adv_n": float(t_adv.numel()),
+        "s_adv_abs_sum": float(s_adv.abs().sum()), "s_adv_n": float(s_adv.numel()), "rows": float(rows),
+        "tokens": float(rollout.think_len.sum() + rollout.summary_len.sum()),
+    })
+    sums.update({f"reason/{k}": float(v) for k, v in rollout.failure_reasons().items()})
+    return sums
+
+
+def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+    for k, v in part.items():
+        total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def rollout_metrics(sums: dict[str, float], budgets: Sequence[int], probs: Sequence[float]) -> dict[str, float]:
+    """The step's rollout metrics from the (added-up) sums of its workers."""
+    acc = [sums[f"acc_sum/{j}"] / sums["summaries_per_budget"] for j in range(len(budgets))]
+    metrics = {f"train/acc@{b}": a for b, a in zip(budgets, acc)}
+    metrics["train/anytime_score"] = anytime_score(acc, probs)
+    metrics["train/think_len"] = sums["think_len_sum"] / sums["traces"]
+    metrics["train/think_closed_frac"] = sums["closed_sum"] / sums["traces"]
+    metrics["adv/thinking_mean"] = sums["t_adv_sum"] / sums["t_adv_n"]
+    metrics["adv/thinking_abs"] = sums["t_adv_abs_sum"] / sums["t_adv_n"]
+    metrics["adv/summary_abs"] = sums["s_adv_abs_sum"] / sums["s_adv_n"]
+    reasons = {k.split("/", 1)[1]: v for k, v in sums.items() if k.startswith("reason/") and v}
+    for reason, count in reasons.items():
+        metrics[f"verifier/{reason}"] = count / sum(reasons.values())
+    metrics["train/rows"] = int(sums["rows"])
+    return metrics
 
 
 class RolloutWorker:
@@ -59,15 +98,20 @@ class RolloutWorker:
             tuple(self.eval_budgets), ev.samples, 1, temperature=ev.temperature if ev.temperature > 0 else 0.0,
             top_p=ev.top_p, summary_temperature=ev.temperature, **common))
 
-    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int,
+                prompt_index: Sequence[int] | None = None, num_prompts: int | None = None
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        """One step's rollout → (train batch, metrics, stage timings)."""
-        import time
+        """One step's rollout of some of its prompts → (train batch, metric sums, stage timings).
 
+        `prompt_index` places these prompts in the whole step (its seeds and mini-batches follow it)
+        and `num_prompts` is the step's size; the batch's prompt indices are global. Metric sums of
+        several workers add up (see `rollout_metrics`)."""
         r = self.recipe
-        rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step)
-        timings = dict(rollout.timings)
+        index = list(range(len(prompts))) if prompt_index is None else list(prompt_index)
         start = time.perf_counter()
+        rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step, prompt_index=index)
+        timings = dict(rollout.timings)
+        adv_start = time.perf_counter()
         scores = rollout.budget_scores.double()  # [B, G, S]
         t_adv = thinking_advantages(r.algorithm.estimator, scores, self.probs, decay=r.algorithm.decay,
                                     variant=r.algorithm.variance_reduction)
@@ -76,26 +120,11 @@ class RolloutWorker:
                                   summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
                                   drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0,
                                   pad_id=self.pad_id)
-        timings["adv"] = time.perf_counter() - start
-        return batch, self._metrics(rollout, t_adv, s_adv, len(batch)), timings
-
-    def _metrics(self, rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, rows: int) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        acc = rollout.accuracy_per_budget()
-        for b, a in zip(rollout.budgets, acc):
-            metrics[f"train/acc@{b}"] = a
-        metrics["train/anytime_score"] = anytime_score(acc, self.probs)
-        metrics["train/think_len"] = float(rollout.think_len.double().mean())
-        metrics["train/think_closed_frac"] = float(rollout.natural_end.double().mean())
-        metrics["adv/thinking_mean"] = float(t_adv.mean())
-        metrics["adv/thinking_abs"] = float(t_adv.abs().mean())
-        metrics["adv/summary_abs"] = float(s_adv.abs().mean())
-        reasons = rollout.failure_reasons()
-        total = sum(reasons.values())
-        for reason, count in reasons.items():
-            metrics[f"verifier/{reason}"] = count / total
-        metrics["train/rows"] = rows
-        return metrics
+        batch = batch.reindexed(index, len(index) if num_prompts is None else num_prompts)
+        timings["adv"] = time.perf_counter() - adv_start
+        sums = rollout_sums(rollout, t_adv, s_adv, len(batch))
+        sums["rollout_seconds"] = time.perf_counter() - start
+        return batch, sums, timings
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy at every eval budget on the recipe's benchmarks (greedy by default)."""

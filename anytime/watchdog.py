@@ -1,0 +1,83 @@
+"""A watchdog for processes we start but do not parent directly (vLLM's engine core and its workers,
+a local Ray cluster): when their owner dies, however it dies (SIGKILL, the OOM killer), it kills
+them and everything they started within a second, so nothing keeps running or holds the owner's
+pipes open. It exits by itself once everything it watches has ended.
+
+`watch(pids)` starts one as a detached process (`python -m anytime.watchdog OWNER PID...`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+
+POLL_SECONDS = 0.5
+
+
+def watch(pids: Iterable[int], owner: int | None = None) -> subprocess.Popen | None:
+    """Kill `pids` and their descendants when `owner` (default: this process) dies."""
+    pids = [int(p) for p in pids]
+    if not pids:
+        return None
+    owner = os.getpid() if owner is None else owner
+    return subprocess.Popen([sys.executable, "-m", "anytime.watchdog", str(owner), *map(str, pids)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            close_fds=True, start_new_session=True)
+
+
+def _same(pid: int, born: float) -> bool:
+    """`pid` is still the process started at `born` (pids are recycled)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_trees(targets: dict[int, float]) -> None:
+    import psutil
+
+    victims = []
+    for pid, born in targets.items():
+        if not _same(pid, born):
+            continue
+        proc = psutil.Process(pid)
+        victims += [proc, *proc.children(recursive=True)]
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+
+
+def main(argv: list[str]) -> int:
+    import psutil
+
+    owner, pids = int(argv[0]), [int(p) for p in argv[1:]]
+    targets = {}
+    for pid in pids:
+        try:
+            targets[pid] = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        owner_born = psutil.Process(owner).create_time()
+    except psutil.NoSuchProcess:
+        _kill_trees(targets)
+        return 0
+    while any(_same(pid, born) for pid, born in targets.items()):
+        if not _same(owner, owner_born):
+            _kill_trees(targets)
+            return 0
+        time.sleep(POLL_SECONDS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -28,6 +28,22 @@ def watch(pids: Iterable[int], owner: int | None = None) -> subprocess.Popen | N
                             close_fds=True, start_new_session=True)
 
 
+def children() -> set[int]:
+    """This process's children but Python's multiprocessing helpers: the resource tracker must
+    outlive a killed owner, since it is what unlinks the shared memory and semaphores left behind."""
+    import psutil
+
+    helpers = ("resource_tracker", "forkserver")
+    found = set()
+    for proc in psutil.Process().children(recursive=False):
+        try:
+            if not any(h in " ".join(proc.cmdline()) for h in helpers):
+                found.add(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _same(pid: int, born: float) -> bool:
     """`pid` is still the process started at `born` (pids are recycled)."""
     import psutil
@@ -39,7 +55,34 @@ def _same(pid: int, born: float) -> bool:
         return False
 
 
+def _shared_memory(procs: list) -> set[str]:
+    """The /dev/shm files the processes map (vLLM's message queues, semaphores)."""
+    import psutil
+
+    files = set()
+    for proc in procs:
+        try:
+            files.update(m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return files
+
+
+def _mapped_anywhere(path: str) -> bool:
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            if any(m.path == path for m in proc.memory_maps(grouped=True)):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
 def _kill_trees(targets: dict[int, float]) -> None:
+    """SIGKILL the targets and their descendants, then remove the shared memory they left mapped
+    (killed processes never unlink it, and /dev/shm is RAM)."""
     import psutil
 
     victims = []
@@ -48,12 +91,19 @@ def _kill_trees(targets: dict[int, float]) -> None:
             continue
         proc = psutil.Process(pid)
         victims += [proc, *proc.children(recursive=True)]
+    shared = _shared_memory(victims)
     for proc in victims:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(victims, timeout=5)
+    for path in shared:
+        if os.path.exists(path) and not _mapped_anywhere(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def main(argv: list[str]) -> int:

@@ -184,7 +184,8 @@ def test_nothing_survives_a_learner_killed_mid_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=1000),
            "rollout.engine=vllm", "learner.num_processes=2", "rollout.prompts_per_step=4", "trainer.save_every=1000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 600
         while time.time() < deadline and not ((out / "metrics.jsonl").exists() and read_metrics(out)):
@@ -193,16 +194,24 @@ def test_nothing_survives_a_learner_killed_mid_run(tmp_path):
         engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "VLLM" in p.name()
                    or "EngineCore" in " ".join(p.cmdline())]
         learners = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                    if "anytime.learner.launch" in " ".join(p.cmdline())]
+                    if "anytime.learner.launch" in " ".join(p.cmdline()) and "torch.distributed.run" not in
+                    " ".join(p.cmdline())]
         assert engines and len(learners) == 2
         learners[1].kill()
         output, _ = proc.communicate(timeout=180)  # returns only when every pipe is closed
         assert proc.returncode != 0
         time.sleep(2)
-        assert not [p for p in engines if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not [p for p in engines + learners if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        from anytime.watchdog import _mapped_anywhere
+
+        leaked = [f for f in set(os.listdir("/dev/shm")) - shm_before if not _mapped_anywhere(f"/dev/shm/{f}")]
+        assert not leaked, f"shared memory of the killed engines was left behind: {leaked}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for p in [proc, *engines, *learners] if "engines" in locals() else [proc]:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,8 +209,22 @@ def launch_sft(recipe_path: str, overrides: list[str]) -> int:
     return 0
 
 
+def _exit_with_parent() -> None:
+    """A learner started by torchrun ends when torchrun does, even if torchrun was SIGKILLed (it
+    then cannot stop its workers, which would otherwise wait in a collective for half an hour)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up left to do: the launcher is gone
+
+    threading.Thread(target=watch, name="anytime-parent-watch", daemon=True).start()
+
+
 def _worker_main() -> int:
     """Entry point of each process started by `launch_train` (torchrun sets RANK/WORLD_SIZE)."""
+    _exit_with_parent()
     parser = argparse.ArgumentParser()
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")

@@ -29,6 +29,19 @@ from anytime.learner.batch import TrainBatch
 from anytime.rollout.worker import RolloutWorker, add_sums, rollout_metrics
 
 
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker failed (its engine crashed, it was killed, or it raised); the message names it."""
+
+
+def _run_worker(worker: RolloutWorker, name: str, step: int, *args: Any, **kwargs: Any
+                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+    try:
+        return worker.rollout(*args, **kwargs)
+    except Exception as exc:
+        raise RolloutWorkerError(f"rollout worker {name} (pid {os.getpid()}) failed during the rollout of step "
+                                 f"{step}: {type(exc).__name__}: {exc}") from exc
+
+
 class Rollouts(Protocol):
     """Every method is collective over the learner ranks."""
 
@@ -118,7 +131,7 @@ class InProcessRollouts:
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         shares, metrics, timings = None, None, {}
         if self.worker is not None:
-            batch, sums, timings = self.worker.rollout(prompts, golds, step)
+            batch, sums, timings = _run_worker(self.worker, "0", step, prompts, golds, step)
             shares, metrics = shares_by_rank(batch, self.learner), step_metrics([sums], self.recipe)
         mine = TrainBatch.from_tensors(scatter_tensors(shares))
         return mine, broadcast_object(metrics), timings
@@ -172,8 +185,9 @@ class ColocatedRollouts(InProcessRollouts):
         n, rank = len(prompts), rank_world()[0]
         replica = [i for i in range(n) if i % self.learner.dp_size == self.dp]
         mine = replica[self.peers.index(rank)::len(self.peers)]
-        batch, sums, timings = self.worker.rollout([prompts[i] for i in mine], [golds[i] for i in mine], step,
-                                                   prompt_index=mine, num_prompts=n)
+        batch, sums, timings = _run_worker(self.worker, f"{rank} (on learner rank {rank})", step,
+                                           [prompts[i] for i in mine], [golds[i] for i in mine], step,
+                                           prompt_index=mine, num_prompts=n)
         # the step's per-prompt facts, the same on every rank (as one worker would have counted them)
         tokens = torch.tensor(sum_across_ranks(batch.tokens_per_prompt.tolist()), dtype=batch.tokens_per_prompt.dtype)
         max_len = max_across_ranks(batch.max_len)

@@ -22,13 +22,9 @@ import torch
 from anytime.config import Recipe
 from anytime.dist import broadcast_object, local_share, rank_world, scatter_tensors
 from anytime.learner.batch import TrainBatch
-from anytime.rollout.placement import pin_cpus, shares_by_rank, slowest, step_metrics
+from anytime.rollout.placement import RolloutWorkerError, pin_cpus, shares_by_rank, slowest, step_metrics
 
 log = logging.getLogger(__name__)
-
-
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker failed (crashed, was killed, or raised); the message names it."""
 
 
 def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
@@ -116,13 +112,13 @@ class RayRollouts:
         r = recipe.rollout
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            before = _children()
+            from anytime.watchdog import children, watch
+
+            before = children()
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
             self._started_ray = not address
             if self._started_ray:  # a local cluster: it must not outlive this process
-                from anytime.watchdog import watch
-
-                watch(_children() - before)
+                watch(children() - before)
         gpus = r.ray_gpus_per_worker if r.ray_gpus_per_worker is not None else float(torch.cuda.is_available())
         bundle = {"CPU": r.ray_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self._pg = placement_group([bundle] * r.workers, strategy="PACK")
@@ -233,9 +229,3 @@ class RayRollouts:
             self._pg = None
         if self._started_ray:
             ray.shutdown()
-
-
-def _children() -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process().children(recursive=False)}

@@ -139,12 +139,6 @@ def _remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
                     os.unlink(path)
 
 
-def _child_pids() -> set[int]:
-    import psutil  # a vLLM dependency
-
-    return {p.pid for p in psutil.Process().children(recursive=False)}
-
-
 def _inside_process_group() -> bool:
     from anytime.dist import rank_world
 
@@ -268,16 +262,16 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         # A previous engine in this process froze vLLM's environment; read the settings above afresh.
         envs.disable_envs_cache()
-        before = _child_pids()
+        from anytime.watchdog import children, watch
+
+        before = children()
         try:
             with _launcher_env_hidden():
                 self._llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
-            from anytime.watchdog import watch
-
-            watch(_child_pids() - before)
+            watch(children() - before)
         self._closed = False
 
     @staticmethod

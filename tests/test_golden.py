@@ -62,7 +62,7 @@ def run_variant(name: str, model: Path, out: Path) -> dict[str, dict]:
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         key = f"{row.pop('step')}:{'train' if 'train/rows' in row else 'eval'}"
-        records[key] = {k: v for k, v in row.items() if not k.startswith("time/")}
+        records[key] = {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
     return records
 
 

@@ -69,7 +69,7 @@ def assert_weights_reached_the_workers(metrics: dict[int, dict]) -> None:
 def test_colocated_workers_sample_what_one_worker_samples(tmp_path):
     one = train(tmp_path / "one" / "run", "learner.num_processes=2", "rollout.placement=inprocess")
     two = train(tmp_path / "two" / "run", "learner.num_processes=2")  # auto: colocated, a worker per rank
-    assert "rollout/tokens_per_s/worker1" in two[1] and "rollout/tokens_per_s/worker1" not in one[1]
+    assert "perf/rollout_tokens_per_s/worker1" in two[1] and "perf/rollout_tokens_per_s/worker1" not in one[1]
     assert_same_run(one, two)
     assert_weights_reached_the_workers(two)
 

@@ -31,7 +31,7 @@ def tiny_overrides(out: Path, steps: int = 3) -> list[str]:
 
 def read_metrics(out: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "train/rows" in r}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows if "train/rows" in r}
 
 
 @pytest.mark.slow

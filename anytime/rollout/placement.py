@@ -81,17 +81,18 @@ def create_rollouts(recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int
 
 def step_metrics(per_worker: Sequence[dict[str, float]], recipe: Recipe) -> dict[str, float]:
     """The step's metrics from every worker's sums, plus each worker's tokens/s and how much longer
-    the slowest worker took than the mean (1.0 = balanced)."""
+    the slowest worker took than the mean (1.0 = balanced). Wall-clock figures go under ``perf/``
+    (like ``time/``) so that comparisons of runs can leave them out."""
     total: dict[str, float] = {}
     for sums in per_worker:
         add_sums(total, sums)
     metrics = rollout_metrics(total, recipe.budget.grid(), recipe.budget.prior_probs())
     seconds = [s["rollout_seconds"] for s in per_worker]
     for i, s in enumerate(per_worker):
-        metrics[f"rollout/tokens_per_s/worker{i}"] = s["tokens"] / max(s["rollout_seconds"], 1e-9)
+        metrics[f"perf/rollout_tokens_per_s/worker{i}"] = s["tokens"] / max(s["rollout_seconds"], 1e-9)
     metrics["rollout/tokens"] = total["tokens"]
-    metrics["rollout/tokens_per_s"] = total["tokens"] / max(max(seconds), 1e-9)
-    metrics["rollout/slowest_over_mean"] = max(seconds) / max(sum(seconds) / len(seconds), 1e-9)
+    metrics["perf/rollout_tokens_per_s"] = total["tokens"] / max(max(seconds), 1e-9)
+    metrics["perf/rollout_slowest_over_mean"] = max(seconds) / max(sum(seconds) / len(seconds), 1e-9)
     return metrics
 
 

@@ -27,6 +27,7 @@ from anytime.answer import (
     DEFAULT_HEADER,
     THINK_END,
     as_latex,
+    canonical_spacing,
     extract_answer,
     extract_boxed,
     header_key,
@@ -62,19 +63,27 @@ def _check_format(text: str, think_end: str) -> bool:
     return text.count(think_end) == 1
 
 
-def _verify(golds: Sequence[Any], answer: str, math_timeout_s: int | None) -> bool:
-    from math_verify import parse, verify  # lazy: importing sympy costs ~1 s
+def _parse(answer: str, math_timeout_s: int | None) -> list[Any]:
+    """math-verify's parse of a gold or predicted answer. Its results end with the answer as a
+    string, compared as strings when sympy cannot read one side; that copy gets canonical spacing,
+    so ``E_1, E_2`` matches ``E_1,E_2`` there as it would as math."""
+    from math_verify import parse  # lazy: importing sympy costs ~1 s
 
-    predicted = parse(as_latex(answer), parsing_timeout=math_timeout_s)
+    parsed = parse(as_latex(answer), parsing_timeout=math_timeout_s)
+    return [canonical_spacing(item) if isinstance(item, str) else item for item in parsed]
+
+
+def _verify(golds: Sequence[Any], answer: str, math_timeout_s: int | None) -> bool:
+    from math_verify import verify
+
+    predicted = _parse(answer, math_timeout_s)
     return bool(predicted) and any(
         verify(gold, predicted, timeout_seconds=math_timeout_s) for gold in golds
     )
 
 
 def _parse_gold(gold: str, math_timeout_s: int | None) -> Any:
-    from math_verify import parse
-
-    return parse(as_latex(gold), parsing_timeout=math_timeout_s)
+    return _parse(gold, math_timeout_s)
 
 
 def _score(

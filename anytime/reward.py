@@ -166,8 +166,8 @@ class BatchStats:
 
     @property
     def fraction_saved(self) -> float:
-        """Share of the items that needed no math-verify run of their own."""
-        return 1.0 - self.verified / self.items if self.items else 0.0
+        """Share of the answered outputs that needed no math-verify run of their own."""
+        return 1.0 - self.verified / self.answered if self.answered else 0.0
 
 
 class RewardScorer:

@@ -42,6 +42,9 @@ from anytime.reward import RewardScorer, read_answer  # noqa: E402
 
 SAMPLE = REPO_ROOT / "benchmarks" / "data" / "quickstart_summaries.json"
 SAMPLE_BATCHES = 4  # rollout batches of the quickstart (8 prompts x 8 traces x 4 budgets x 2 summaries)
+# Generous per-item limit: on a loaded machine a slow item must not be killed (and its worker's CPU
+# time lost) in the middle of a timed round.
+TIMEOUT_S = 60.0
 
 
 def load_golds() -> tuple[str, list[object]]:
@@ -72,8 +75,14 @@ def make_batch(golds: list[object], items: int) -> tuple[list[str], list[object]
 
 
 def cpu_s(pids: list[int]) -> float:
-    times = [psutil.Process(pid).cpu_times() for pid in pids]
-    return sum(t.user + t.system for t in times)
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:  # a replaced worker: its time is lost, the figure is low
+            continue
+        total += times.user + times.system
+    return total
 
 
 def timed_rounds(
@@ -107,40 +116,38 @@ def timed_rounds(
     }
 
 
-def _ceiling_process(payloads: list[tuple[str, tuple[str, ...]]], start: Any, out: Any) -> None:
+def _ceiling_process(payloads: list[tuple[str, tuple[str, ...]]], rounds: int, start: Any, out: Any) -> None:
     """The worker's verification loop in a plain process: no pool, no IPC, no time limit."""
     from anytime.reward import _worker_verifier
 
     verify = _worker_verifier()
     for payload in payloads:  # warm-up, as the pools get: imports, golds parsed and cached
         verify(*payload)
-    out.put(("ready", 0.0, 0.0))
-    start.wait()
-    began, cpu = time.perf_counter(), time.process_time()
-    for payload in payloads:
-        verify(*payload)
-    out.put(("done", time.perf_counter() - began, time.process_time() - cpu))
+    for _ in range(rounds):
+        start.wait()  # all processes and the parent: the passes run at the same time
+        began, cpu = time.perf_counter(), time.process_time()
+        for payload in payloads:
+            verify(*payload)
+        out.put((time.perf_counter() - began, time.process_time() - cpu))
 
 
 def ceiling(payloads: list[tuple[str, tuple[str, ...]]], processes: int, rounds: int) -> tuple[float, float]:
     """(items/s, CPU ms per item) of ``processes`` plain processes verifying ``payloads`` each at
-    the same time, best of ``rounds``."""
+    the same time: best round, mean CPU."""
     ctx = mp.get_context("forkserver")
-    best, cpu_ms = 0.0, 0.0
+    start, out = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [ctx.Process(target=_ceiling_process, args=(payloads, rounds, start, out)) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    best, cpu_total = 0.0, 0.0
     for _ in range(rounds):
-        start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_ceiling_process, args=(payloads, start, out)) for _ in range(processes)]
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            out.get()
-        start.set()
+        start.wait()
         finished = [out.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-        best = max(best, processes * len(payloads) / max(wall for _, wall, _ in finished))
-        cpu_ms += 1000 * sum(cpu for _, _, cpu in finished) / (processes * len(payloads) * rounds)
-    return best, cpu_ms
+        best = max(best, processes * len(payloads) / max(wall for wall, _ in finished))
+        cpu_total += sum(used for _, used in finished)
+    for proc in procs:
+        proc.join()
+    return best, 1000 * cpu_total / (rounds * processes * len(payloads))
 
 
 def started_pool(**kwargs: Any) -> tuple[RewardScorer, float]:
@@ -156,9 +163,9 @@ def throughput(texts: list[str], targets: list[object], rounds: int) -> None:
     payloads = list(dict.fromkeys((answer, gold) for answer, gold in read if isinstance(answer, str)))
     one_plain, cpu_one = ceiling(payloads, 1, rounds)
     two_plain, cpu_two = ceiling(payloads, 2, rounds)
-    single, start_first = started_pool(num_workers=1, dedupe=False)
-    pair, start_two = started_pool(num_workers=2, dedupe=False)
-    per_message, _ = started_pool(num_workers=2, dedupe=False, chunk_size=1)
+    single, start_first = started_pool(num_workers=1, dedupe=False, timeout_s=TIMEOUT_S)
+    pair, start_two = started_pool(num_workers=2, dedupe=False, timeout_s=TIMEOUT_S)
+    per_message, _ = started_pool(num_workers=2, dedupe=False, timeout_s=TIMEOUT_S, chunk_size=1)
     with single, pair, per_message:
         pools = {"1": single, "2": pair, "2_chunk_1": per_message}
         for pool in pools.values():
@@ -244,7 +251,8 @@ def dedupe_figures(rounds: int) -> None:
     with open(SAMPLE, encoding="utf-8") as f:
         sample = json.load(f)
     texts, golds = sample["texts"], sample["golds"]
-    with RewardScorer(num_workers=2) as dedupe, RewardScorer(num_workers=2, dedupe=False) as plain:
+    with RewardScorer(num_workers=2, timeout_s=TIMEOUT_S) as dedupe, \
+            RewardScorer(num_workers=2, timeout_s=TIMEOUT_S, dedupe=False) as plain:
         pools = {"dedupe": dedupe, "plain": plain}
         for pool in pools.values():
             pool.score(texts, golds)

@@ -1,12 +1,14 @@
 """Answer extraction from model text and gold-answer normalisation.
 
-Pure string work, no math-verify: the verifier (`anytime.reward`) calls these inside its killable
-worker processes, and tests/callers can use them anywhere. Extraction follows the AnytimeReasoner
-paper: split the answer part on blank lines, take the first paragraph that starts with the answer
-header, and read the last balanced ``\\boxed{...}`` of that paragraph.
+Pure string work, no math-verify: the verifier (`anytime.reward`) extracts answers in the parent
+process (so it can verify each distinct answer once) and normalises them for math-verify inside its
+killable worker processes; tests/callers can use them anywhere. Extraction follows the
+AnytimeReasoner paper: split the answer part on blank lines, take the first paragraph that starts
+with the answer header, and read the last balanced ``\\boxed{...}`` of that paragraph.
 
-Model text is untrusted, so every step is linear in the input and the amount of text that reaches
-the (expensive, potentially super-linear) math parser is capped.
+Model text is untrusted, so every step is a bounded number of linear passes (regexes without
+nested repetition, no backtracking blow-up) and the amount of text that reaches the (expensive,
+potentially super-linear) math parser is capped.
 """
 
 from __future__ import annotations

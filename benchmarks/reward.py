@@ -29,6 +29,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,69 +86,91 @@ def cpu_s(pids: list[int]) -> float:
     return total
 
 
-def timed_rounds(
-    pools: dict[str, RewardScorer], texts: list[str], targets: list[object], rounds: int
-) -> dict[str, dict[str, float]]:
-    """Per pool: best items/s, and worker and parent CPU ms per item over all rounds.
-
-    The pools take turns within each round so that load from other processes hits all alike; the
-    best round is the least disturbed one. CPU time is independent of that load.
-    """
-    best = dict.fromkeys(pools, float("inf"))
-    worker_cpu = dict.fromkeys(pools, 0.0)
-    parent_cpu = dict.fromkeys(pools, 0.0)
-    for _ in range(rounds):
-        for name, pool in pools.items():
-            pids = pool.pids
-            before, parent_before = cpu_s(pids), cpu_s([os.getpid()])
-            start = time.perf_counter()
-            pool.score(texts, targets)
-            best[name] = min(best[name], time.perf_counter() - start)
-            worker_cpu[name] += cpu_s(pids) - before
-            parent_cpu[name] += cpu_s([os.getpid()]) - parent_before
-    per_item = 1000 / (rounds * len(texts))
-    return {
-        name: {
-            "items_per_s": len(texts) / best[name],
-            "worker_cpu_ms": worker_cpu[name] * per_item,
-            "parent_cpu_ms": parent_cpu[name] * per_item,
-        }
-        for name in pools
-    }
+@dataclass(frozen=True)
+class Round:
+    seconds: float
+    items: int
+    worker_cpu_s: float
+    parent_cpu_s: float
 
 
-def _ceiling_process(payloads: list[tuple[str, tuple[str, ...]]], rounds: int, start: Any, out: Any) -> None:
+class PoolContender:
+    """A scorer timed on one batch; CPU time of its workers and of this (the parent) process."""
+
+    def __init__(self, pool: RewardScorer, texts: list[str], targets: list[object]) -> None:
+        self.pool, self.texts, self.targets = pool, texts, targets
+        pool.score(texts, targets)  # warm-up: golds parsed and cached in every worker
+
+    def run_round(self) -> Round:
+        pids = self.pool.pids
+        before, parent_before = cpu_s(pids), cpu_s([os.getpid()])
+        start = time.perf_counter()
+        self.pool.score(self.texts, self.targets)
+        seconds = time.perf_counter() - start
+        return Round(seconds, len(self.texts), cpu_s(pids) - before, cpu_s([os.getpid()]) - parent_before)
+
+
+def _ceiling_process(payloads: list[tuple[str, tuple[str, ...]]], start: Any, stop: Any, out: Any) -> None:
     """The worker's verification loop in a plain process: no pool, no IPC, no time limit."""
     from anytime.reward import _worker_verifier
 
     verify = _worker_verifier()
     for payload in payloads:  # warm-up, as the pools get: imports, golds parsed and cached
         verify(*payload)
-    for _ in range(rounds):
+    while True:
         start.wait()  # all processes and the parent: the passes run at the same time
+        if stop.is_set():
+            return
         began, cpu = time.perf_counter(), time.process_time()
         for payload in payloads:
             verify(*payload)
         out.put((time.perf_counter() - began, time.process_time() - cpu))
 
 
-def ceiling(payloads: list[tuple[str, tuple[str, ...]]], processes: int, rounds: int) -> tuple[float, float]:
-    """(items/s, CPU ms per item) of ``processes`` plain processes verifying ``payloads`` each at
-    the same time: best round, mean CPU."""
-    ctx = mp.get_context("forkserver")
-    start, out = ctx.Barrier(processes + 1), ctx.Queue()
-    procs = [ctx.Process(target=_ceiling_process, args=(payloads, rounds, start, out)) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    best, cpu_total = 0.0, 0.0
+class CeilingContender:
+    """``processes`` plain processes that each verify all ``payloads`` at the same time: what the
+    machine gives this work with no pool around it."""
+
+    def __init__(self, payloads: list[tuple[str, tuple[str, ...]]], processes: int) -> None:
+        ctx = mp.get_context("forkserver")
+        self.items = processes * len(payloads)
+        self.start, self.stop, self.out = ctx.Barrier(processes + 1), ctx.Event(), ctx.Queue()
+        self.procs = [ctx.Process(target=_ceiling_process, args=(payloads, self.start, self.stop, self.out))
+                      for _ in range(processes)]
+        for proc in self.procs:
+            proc.start()
+
+    def run_round(self) -> Round:
+        self.start.wait()
+        finished = [self.out.get() for _ in self.procs]
+        return Round(max(wall for wall, _ in finished), self.items, sum(cpu for _, cpu in finished), 0.0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.start.wait()
+        for proc in self.procs:
+            proc.join()
+
+
+def timed_rounds(contenders: dict[str, Any], rounds: int) -> dict[str, dict[str, float]]:
+    """Per contender: best items/s, and worker and parent CPU ms per item over all rounds.
+
+    The contenders take turns within each round so that load from other processes hits all alike;
+    the best round is the least disturbed one. CPU time is independent of that load.
+    """
+    results: dict[str, list[Round]] = {name: [] for name in contenders}
     for _ in range(rounds):
-        start.wait()
-        finished = [out.get() for _ in procs]
-        best = max(best, processes * len(payloads) / max(wall for wall, _ in finished))
-        cpu_total += sum(used for _, used in finished)
-    for proc in procs:
-        proc.join()
-    return best, 1000 * cpu_total / (rounds * processes * len(payloads))
+        for name, contender in contenders.items():
+            results[name].append(contender.run_round())
+    figures = {}
+    for name, done in results.items():
+        items = sum(r.items for r in done)
+        figures[name] = {
+            "items_per_s": max(r.items / r.seconds for r in done),
+            "worker_cpu_ms": 1000 * sum(r.worker_cpu_s for r in done) / items,
+            "parent_cpu_ms": 1000 * sum(r.parent_cpu_s for r in done) / items,
+        }
+    return figures
 
 
 def started_pool(**kwargs: Any) -> tuple[RewardScorer, float]:
@@ -161,34 +184,42 @@ def throughput(texts: list[str], targets: list[object], rounds: int) -> None:
     read = [(read_answer(t), tuple(normalize_gold(g))) for t, g in zip(texts, targets)]
     # In batch order, as the pools get them: math-verify caches its last parses.
     payloads = list(dict.fromkeys((answer, gold) for answer, gold in read if isinstance(answer, str)))
-    one_plain, cpu_one = ceiling(payloads, 1, rounds)
-    two_plain, cpu_two = ceiling(payloads, 2, rounds)
     single, start_first = started_pool(num_workers=1, dedupe=False, timeout_s=TIMEOUT_S)
     pair, start_two = started_pool(num_workers=2, dedupe=False, timeout_s=TIMEOUT_S)
     per_message, _ = started_pool(num_workers=2, dedupe=False, timeout_s=TIMEOUT_S, chunk_size=1)
-    with single, pair, per_message:
-        pools = {"1": single, "2": pair, "2_chunk_1": per_message}
-        for pool in pools.values():
-            pool.score(texts, targets)  # warm-up: golds parsed and cached in every worker
-        figures = timed_rounds(pools, texts, targets, rounds)
+    plain_one, plain_two = CeilingContender(payloads, 1), CeilingContender(payloads, 2)
+    try:
+        with single, pair, per_message:
+            figures = timed_rounds({
+                "1": PoolContender(single, texts, targets),
+                "2": PoolContender(pair, texts, targets),
+                "2_chunk_1": PoolContender(per_message, texts, targets),
+                "plain_1": plain_one,
+                "plain_2": plain_two,
+            }, rounds)
+    finally:
+        plain_one.close()
+        plain_two.close()
     one, two = figures["1"]["items_per_s"], figures["2"]["items_per_s"]
+    plain_1, plain_2 = figures["plain_1"]["items_per_s"], figures["plain_2"]["items_per_s"]
     print(f"verifier_items: {len(texts)}")
     print(f"verifier_items_per_s_1_worker: {one:.1f}")
     print(f"verifier_items_per_s_2_workers: {two:.1f}")
     print(f"verifier_2_over_1: {two / one:.2f}")
     print(f"verifier_items_per_s_2_workers_chunk_1: {figures['2_chunk_1']['items_per_s']:.1f}")
-    print(f"verifier_ceiling_items_per_s_1_process: {one_plain:.1f}")
-    print(f"verifier_ceiling_items_per_s_2_processes: {two_plain:.1f}")
-    print(f"verifier_ceiling_2_over_1: {two_plain / one_plain:.2f}")
-    print(f"verifier_1_worker_over_ceiling: {one / one_plain:.2f}")
-    print(f"verifier_2_workers_over_ceiling: {two / two_plain:.2f}")
+    print(f"verifier_ceiling_items_per_s_1_process: {plain_1:.1f}")
+    print(f"verifier_ceiling_items_per_s_2_processes: {plain_2:.1f}")
+    print(f"verifier_ceiling_2_over_1: {plain_2 / plain_1:.2f}")
+    print(f"verifier_1_worker_over_ceiling: {one / plain_1:.2f}")
+    print(f"verifier_2_workers_over_ceiling: {two / plain_2:.2f}")
     print(f"verifier_start_s_first_pool: {start_first:.2f}")
     print(f"verifier_start_s_2_workers: {start_two:.2f}")
-    print(f"verifier_ceiling_cpu_ms_per_item_1_process: {cpu_one:.2f}")
-    print(f"verifier_ceiling_cpu_ms_per_item_2_processes: {cpu_two:.2f}")
-    for name, label in (("1", "1_worker"), ("2", "2_workers"), ("2_chunk_1", "2_workers_chunk_1")):
+    labels = {"1": "1_worker", "2": "2_workers", "2_chunk_1": "2_workers_chunk_1",
+              "plain_1": "ceiling_1_process", "plain_2": "ceiling_2_processes"}
+    for name, label in labels.items():
         print(f"verifier_worker_cpu_ms_per_item_{label}: {figures[name]['worker_cpu_ms']:.2f}")
-        print(f"verifier_parent_cpu_ms_per_item_{label}: {figures[name]['parent_cpu_ms']:.3f}")
+        if not name.startswith("plain"):
+            print(f"verifier_parent_cpu_ms_per_item_{label}: {figures[name]['parent_cpu_ms']:.3f}")
 
 
 class _Recorder:
@@ -253,10 +284,8 @@ def dedupe_figures(rounds: int) -> None:
     texts, golds = sample["texts"], sample["golds"]
     with RewardScorer(num_workers=2, timeout_s=TIMEOUT_S) as dedupe, \
             RewardScorer(num_workers=2, timeout_s=TIMEOUT_S, dedupe=False) as plain:
-        pools = {"dedupe": dedupe, "plain": plain}
-        for pool in pools.values():
-            pool.score(texts, golds)
-        figures = timed_rounds(pools, texts, golds, rounds)
+        figures = timed_rounds({"dedupe": PoolContender(dedupe, texts, golds),
+                                "plain": PoolContender(plain, texts, golds)}, rounds)
         stats, plain_stats = dedupe.last_stats, plain.last_stats
     assert plain_stats.verified == stats.answered
     print(f"dedupe_items: {stats.items}")

@@ -251,7 +251,7 @@ class RewardScorer:
             else:
                 pairs.setdefault((read, gold) if self.dedupe else (read, gold, i), []).append(i)
         results = self._pool.run([pair[:2] for pair in pairs])
-        for (answer, *_), indices, result in zip(pairs, pairs.values(), results):
+        for ((answer, *_), indices), result in zip(pairs.items(), results):
             verdict = Verdict(0.0, result.reason, None) if isinstance(result, Failure) else Verdict(*result, answer)
             for i in indices:
                 verdicts[i] = verdict

@@ -1,12 +1,14 @@
 """Answer extraction from model text and gold-answer normalisation.
 
-Pure string work, no math-verify: the verifier (`anytime.reward`) calls these inside its killable
-worker processes, and tests/callers can use them anywhere. Extraction follows the AnytimeReasoner
-paper: split the answer part on blank lines, take the first paragraph that starts with the answer
-header, and read the last balanced ``\\boxed{...}`` of that paragraph.
+Pure string work, no math-verify: the verifier (`anytime.reward`) extracts answers in the parent
+process (so it can verify each distinct answer once) and normalises them for math-verify inside its
+killable worker processes; tests/callers can use them anywhere. Extraction follows the
+AnytimeReasoner paper: split the answer part on blank lines, take the first paragraph that starts
+with the answer header, and read the last balanced ``\\boxed{...}`` of that paragraph.
 
-Model text is untrusted, so every step is linear in the input and the amount of text that reaches
-the (expensive, potentially super-linear) math parser is capped.
+Model text is untrusted, so every step is a bounded number of linear passes (regexes without
+nested repetition, no backtracking blow-up) and the amount of text that reaches the (expensive,
+potentially super-linear) math parser is capped.
 """
 
 from __future__ import annotations
@@ -33,8 +35,29 @@ MAX_PARAGRAPH_CHARS = 16384
 _TOKEN_RE = re.compile(r"\\(?:boxed|fbox)(?:\s*(\{)|\s+([^\s{}$\\]+))|\\[\\{}]|[{}]")
 # An unescaped "$" (math delimiter); "\$" (a dollar sign) is kept.
 _DOLLAR_RE = re.compile(r"(?<!\\)\$")
-# A whole answer in E notation: "3.89e-10" (Minerva golds). math-verify reads it as 3.89*e - 10.
-_E_NOTATION_RE = re.compile(r"([-+]?\d+(?:\.\d*)?)[eE]([-+]?\d+)")
+# An answer that is one number in scientific notation, "3.89e-10" (Minerva golds; math-verify
+# reads it as 3.89*e - 10) or "8.7 \times 10^{8}", optionally followed by a unit ("\text{ m}",
+# " Hz"). What follows must not bind tighter than the product ("10^{8}5", "10^8!", "10^{8}^2").
+_SCIENTIFIC_RE = re.compile(
+    r"(?P<sign>[-+]?)(?P<mantissa>\d+(?:\.\d*)?|\.\d+)"
+    r"(?:[eE](?P<e>[-+]?\d+)"
+    r"|\s*(?:\\times|\\cdot|[*\u00d7\u00b7])\s*10\s*\^\s*(?:\{\s*(?P<braced>[-+]?\d+)\s*\}|(?P<digit>\d)))"
+    r"(?P<unit>(?:(?=[\s\\A-Za-z])(?!\s*[\^_!'])\S?.*)?)",
+    re.DOTALL,
+)
+# Positive powers of ten up to this are written out exactly ("870000000"): math-verify compares a
+# float mantissa times a power (8.7*10**8) with an integer exactly and rejects 870000000.
+_MAX_EXPANDED_EXPONENT = 400
+# A degree sign, also as a superscript ("90°", "90^°", "90^{°}"): math-verify drops "^\circ" but
+# not "°", so "1950° C" parsed as 1950 against the gold "1950^\circ C".
+_DEGREE_RE = re.compile(r"(?:\^\s*)?(?:\{\s*\u00b0\s*\}|\u00b0)")
+# For the string comparison math-verify falls back on when it cannot parse an answer: a run of
+# white space between two letters or digits separates tokens ("\max x", "\text{a b}") and is kept
+# as one space, elsewhere it is layout ("E_1, E_2", "m_{\max }") and is dropped; "\ " is kept.
+_SPACES_RE = re.compile(r"\s+")
+_LAYOUT_SPACE_RE = re.compile(r"(?<![^\W_])(?<!\\) |(?<=[^\W_]) (?![^\W_])")
+# A one-character group after ^ or _ is the character itself: "n^{2}" is "n^2".
+_SINGLE_GROUP_RE = re.compile(r"([\^_])\{([^\W_])\}")
 
 
 def sanitize(text: str) -> str:
@@ -118,15 +141,50 @@ def strip_math_delimiters(answer: str) -> str:
     return answer
 
 
+def _expand_power_of_ten(mantissa: str, exponent: int) -> str:
+    """``mantissa * 10**exponent`` (exponent >= 0) written out exactly: ``("8.7", 8)`` ->
+    ``"870000000"``, ``("2.7778", 2)`` -> ``"277.78"``. String arithmetic, no float rounding."""
+    whole, _, fraction = mantissa.partition(".")
+    digits, point = whole + fraction, len(whole) + exponent
+    integer = digits[:point].ljust(point, "0").lstrip("0") or "0"
+    fraction = digits[point:].rstrip("0")
+    return f"{integer}.{fraction}" if fraction else integer
+
+
+def _scientific(answer: str) -> str:
+    """A number in E notation or as ``m \\times 10^{e}`` (whole answer, optional unit after it):
+    written out when ``e >= 0`` (exactly, so "870000000" matches "8.7 \\times 10^{8}"), else as
+    ``m \\times 10^{e}``; anything else is returned unchanged."""
+    number = _SCIENTIFIC_RE.fullmatch(answer)
+    if number is None:
+        return answer
+    exponent = number.group("e") or number.group("braced") or number.group("digit")
+    sign, mantissa, unit = number.group("sign"), number.group("mantissa"), number.group("unit")
+    # The length check comes first: no int() of a 4,000-digit exponent.
+    if len(exponent.lstrip("+-").lstrip("0")) <= 3 and 0 <= int(exponent) <= _MAX_EXPANDED_EXPONENT:
+        return f"{sign}{_expand_power_of_ten(mantissa, int(exponent))}{unit}"
+    if number.group("e") is not None:
+        return f"{sign}{mantissa} \\times 10^{{{exponent}}}{unit}"
+    return answer
+
+
 def as_latex(answer: str) -> str:
-    """The math-verify input for a gold or a predicted answer: delimiters stripped, E notation
-    spelled as a power of ten, wrapped once in ``$...$`` (bare LaTeX such as ``(x+1)^2`` parses
-    to nothing and ``2^{1/2}`` to 2). Gold and prediction go through the same function."""
-    answer = strip_math_delimiters(answer)
-    number = _E_NOTATION_RE.fullmatch(answer)
-    if number:
-        answer = f"{number.group(1)} \\times 10^{{{number.group(2)}}}"
+    """The math-verify input for a gold or a predicted answer: delimiters stripped, scientific
+    notation written out (positive powers) or spelled as a power of ten (E notation), degree signs
+    as ``^{\\circ}``, wrapped once in ``$...$`` (bare LaTeX such as ``(x+1)^2`` parses to nothing
+    and ``2^{1/2}`` to 2). Gold and prediction go through the same function; every step is one
+    linear regex pass."""
+    answer = _scientific(strip_math_delimiters(answer))
+    answer = _DEGREE_RE.sub(r"^{\\circ}", answer)
     return f"${answer}$"
+
+
+def canonical_spacing(latex: str) -> str:
+    """``latex`` with layout white space dropped and one-character groups unbraced, for string
+    comparison only: ``"E_1, E_2"`` and ``"E_1,E_2"``, ``"m_{\\max }=n^{2}"`` and
+    ``"m_{\\max}=n^2"`` become equal; ``"\\max x"`` keeps its space."""
+    latex = _SPACES_RE.sub(" ", latex)
+    return _SINGLE_GROUP_RE.sub(r"\1\2", _LAYOUT_SPACE_RE.sub("", latex))
 
 
 def _normalize_scalar(answer: object) -> str:

@@ -2,47 +2,47 @@
 
 Model outputs are untrusted: a ``\\boxed{9^{9^{9}}}`` sends sympy into a C-level big-integer loop
 that no signal can interrupt, and math-verify's own timeouts use ``signal.alarm`` (main thread
-only). So `RewardScorer` scores in a pool of worker processes, bounds every item's wall-clock time
-from the parent and SIGKILLs a worker that overruns (the item gets reason ``timeout``, a fresh
-worker replaces it). `score_one` is the same computation in-process, for workers and tests.
+only). So `RewardScorer` verifies in a pool of worker processes (`anytime.reward_pool`) that bounds
+every item's wall-clock time and SIGKILLs a worker that overruns (the item gets reason
+``timeout``). Reading the answer out of the text is plain string work with length caps, linear in
+the text (`read_answer`); it runs in the parent, so that identical (answer, gold) pairs of a
+batch — common at late budgets — are verified once and share the verdict. `score_one` is the same
+computation in-process, for tests and trusted input.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import multiprocessing as mp
 import os
-import signal
 import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
 from typing import Any
 
 from anytime.answer import (
     DEFAULT_HEADER,
     THINK_END,
     as_latex,
+    canonical_spacing,
     extract_answer,
     extract_boxed,
     header_key,
     normalize_gold,
     sanitize,
 )
+from anytime.reward_pool import Failure, WorkerPool
 
 __all__ = [
     "DEFAULT_HEADER",
     "REASONS",
     "THINK_END",
+    "BatchStats",
     "RewardScorer",
     "Verdict",
     "extract_answer",
     "extract_boxed",
     "normalize_gold",
+    "read_answer",
     "score_one",
 ]
 
@@ -58,42 +58,41 @@ class Verdict:
     parsed: str | None  # the extracted \boxed{} content, None when there was none
 
 
-def _check_format(text: str, think_end: str) -> bool:
-    return text.count(think_end) == 1
-
-
-def _verify(golds: Sequence[Any], answer: str, math_timeout_s: int | None) -> bool:
-    from math_verify import parse, verify  # lazy: importing sympy costs ~1 s
-
-    predicted = parse(as_latex(answer), parsing_timeout=math_timeout_s)
-    return bool(predicted) and any(
-        verify(gold, predicted, timeout_seconds=math_timeout_s) for gold in golds
-    )
-
-
-def _parse_gold(gold: str, math_timeout_s: int | None) -> Any:
-    from math_verify import parse
-
-    return parse(as_latex(gold), parsing_timeout=math_timeout_s)
-
-
-def _score(
-    text: str,
-    golds: Sequence[str],
-    key: str,
-    think_end: str,
-    math_timeout_s: int | None,
-    parse_gold: Callable[[str], Any],
-) -> Verdict:
-    """Score raw ``text`` against normalised ``golds``; ``key`` is the stripped header."""
+def read_answer(text: str, header: str = DEFAULT_HEADER, think_end: str = THINK_END) -> Verdict | str:
+    """The answer of a model output, or its verdict when it has none: ``bad_format`` unless
+    ``think_end`` occurs exactly once, ``no_answer`` without a header paragraph with a non-empty
+    box after it. Pure string work, linear in ``len(text)`` (no math parsing: safe outside a
+    worker); the verdict of an output depends on ``text`` only through this answer."""
     text = sanitize(text)
-    if not _check_format(text, think_end):
+    if text.count(think_end) != 1:
         return Verdict(0.0, "bad_format", None)
-    answer = extract_answer(text.split(think_end, 1)[1], key)
+    answer = extract_answer(text.split(think_end, 1)[1], header)
     if not answer:  # no header paragraph, no box in it, or an empty box
         return Verdict(0.0, "no_answer", answer)
+    return answer
+
+
+def _parse(answer: str, math_timeout_s: int | None) -> list[Any]:
+    """math-verify's parse of a gold or predicted answer. Its results end with the answer as a
+    string, compared as strings when sympy cannot read one side; that copy gets canonical spacing,
+    so ``E_1, E_2`` matches ``E_1,E_2`` there as it would as math."""
+    from math_verify import parse  # lazy: importing sympy costs ~1 s
+
+    parsed = parse(as_latex(answer), parsing_timeout=math_timeout_s)
+    return [canonical_spacing(item) if isinstance(item, str) else item for item in parsed]
+
+
+def verify_answer(
+    answer: str, golds: Sequence[str], math_timeout_s: int | None, parse_gold: Callable[[str], Any]
+) -> Verdict:
+    """The verdict of a non-empty extracted ``answer`` against normalised ``golds``."""
+    from math_verify import verify
+
     try:
-        correct = _verify([parse_gold(gold) for gold in golds], answer, math_timeout_s)
+        predicted = _parse(answer, math_timeout_s)
+        correct = bool(predicted) and any(
+            verify(parse_gold(gold), predicted, timeout_seconds=math_timeout_s) for gold in golds
+        )
     except Exception:  # math-verify swallows most errors itself; anything left is ours to label
         return Verdict(0.0, "error", answer)
     return Verdict(1.0, "correct", answer) if correct else Verdict(0.0, "wrong", answer)
@@ -125,61 +124,20 @@ def score_one(
     if not think_end:
         raise ValueError("think_end must be a non-empty marker such as '</think>'")
     golds = normalize_gold(gold)
-    return _score(
-        text,
-        golds,
-        header_key(header),
-        think_end,
-        math_timeout_s,
-        lambda g: _parse_gold(g, math_timeout_s),
-    )
+    read = read_answer(text, header_key(header), think_end)
+    if isinstance(read, Verdict):
+        return read
+    return verify_answer(read, golds, math_timeout_s, lambda g: _parse(g, math_timeout_s))
 
 
-# ----------------------------------------------------------------------------- worker process
+# ----------------------------------------------------------------------------- the worker pool
 
 _GOLD_CACHE_SIZE = 4096
-_MAX_CRASHES = 2  # worker deaths on one item before it is scored "error"
-_SIGXCPU = getattr(signal, "SIGXCPU", 24)
-_MAX_START_FAILURES = 3  # consecutive deaths of starting workers before the scorer gives up
 
 
-def _cap_next_item_cpu(cpu_cap_s: int) -> None:
-    """Let the kernel end this worker (SIGXCPU) if the next item burns ``cpu_cap_s`` CPU seconds.
-
-    A backstop for when the parent cannot kill us: if the trainer itself is SIGKILLed, forkserver
-    workers outlive it (they hold the server's liveness pipe), and a worker stuck in C code would
-    spin forever. CPU time never exceeds wall time, so the parent's wall-clock kill comes first.
-    """
-    try:
-        import resource
-    except ImportError:  # not Unix
-        return
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = int(usage.ru_utime + usage.ru_stime) + cpu_cap_s
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-
-
-def _limit_memory(memory_limit_mb: int | None) -> None:
-    try:
-        import resource
-    except ImportError:  # not Unix
-        return
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a SIGXCPU'd worker leaves no core file
-    if memory_limit_mb is not None:
-        limit = memory_limit_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _worker_main(
-    conn: Connection, key: str, think_end: str, memory_limit_mb: int | None, cpu_cap_s: int
-) -> None:
-    """Worker loop: receive chunks of (index, text, golds), send one result per item."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _limit_memory(memory_limit_mb)
-    # Timeouts are the parent's job (it kills us); math-verify's alarm would only blur the
+def _worker_verifier() -> Callable[[str, tuple[str, ...]], tuple[float, str]]:
+    """Runs in each worker: verify (answer, golds) with parsed golds cached across items."""
+    # Timeouts are the pool's job (it kills the worker); math-verify's alarm would only blur the
     # "timeout" reason, and its warning about the disabled alarm is noise here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold_cache: dict[str, Any] = {}
@@ -188,63 +146,38 @@ def _worker_main(
         if gold not in gold_cache:
             if len(gold_cache) >= _GOLD_CACHE_SIZE:
                 gold_cache.clear()
-            gold_cache[gold] = _parse_gold(gold, None)
+            gold_cache[gold] = _parse(gold, None)
         return gold_cache[gold]
 
-    # Warm math-verify up before announcing readiness, so import time never counts as an
-    # item's time.
-    _score(f"{think_end}\n\n{key}\n\\boxed{{1}}", ["1"], key, think_end, None, parse_gold)
-    conn.send(("ready",))
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        for index, text, golds in chunk:
-            _cap_next_item_cpu(cpu_cap_s)
-            try:
-                verdict = _score(text, golds, key, think_end, None, parse_gold)
-            except Exception:  # e.g. MemoryError from the address-space limit
-                verdict = Verdict(0.0, "error", None)
-            try:
-                conn.send((index, verdict.score, verdict.reason, verdict.parsed))
-            except OSError:  # the parent is gone
-                return
+    def verify(answer: str, golds: tuple[str, ...]) -> tuple[float, str]:
+        verdict = verify_answer(answer, golds, None, parse_gold)
+        return verdict.score, verdict.reason
+
+    return verify
 
 
-# ----------------------------------------------------------------------------- parent side
+@dataclass(frozen=True)
+class BatchStats:
+    """What one `RewardScorer.score` call did."""
 
+    items: int  # outputs scored
+    answered: int  # outputs with an answer to verify (the rest: bad_format / no_answer)
+    verified: int  # math-verify runs in the workers: distinct (answer, gold) pairs when deduplicating
 
-@dataclass(eq=False)
-class _Worker:
-    process: Any  # multiprocessing process object of the scorer's context
-    conn: Connection
-    pid: int  # kept here: a closed process object no longer answers .pid
-    ready: bool = False
-    inflight: deque[int] = field(default_factory=deque)  # item indices, in the worker's order
-    deadline: float = float("inf")  # monotonic time by which the head item must be done
-
-
-def _reap(workers: list[_Worker]) -> None:
-    """SIGKILL and join workers; safe to call twice and from a GC finalizer."""
-    for worker in workers:
-        if worker.process.is_alive():
-            worker.process.kill()
-    for worker in workers:
-        worker.process.join()
-        worker.conn.close()
-        worker.process.close()
-    workers.clear()
+    @property
+    def fraction_saved(self) -> float:
+        """Share of the answered outputs that needed no math-verify run of their own."""
+        return 1.0 - self.verified / self.answered if self.answered else 0.0
 
 
 class RewardScorer:
-    """Scores batches of model outputs in a pool of worker processes with a per-item time limit.
+    """Scores batches of model outputs; math-verify runs in worker processes with a per-item time limit.
 
-    The pool lives until `close()` (or the end of a ``with`` block); items are sent in chunks to
-    amortise IPC, each item gets ``timeout_s`` of wall-clock time from the moment its worker
-    starts it, and an overrunning worker is SIGKILLed and replaced.
+    The pool lives until `close()` (or the end of a ``with`` block). Each call reads the answers
+    (string work, here), verifies every distinct (answer, gold) pair once (``dedupe=False``: every
+    answered output) in the workers, and gives every output the verdict of its pair; each
+    verification gets ``timeout_s`` of wall-clock time from the moment its worker starts it, and
+    an overrunning worker is SIGKILLed and replaced. ``last_stats`` describes the last call.
     """
 
     def __init__(
@@ -256,6 +189,7 @@ class RewardScorer:
         *,
         chunk_size: int | None = None,
         memory_limit_mb: int | None = 4096,
+        dedupe: bool = True,
     ) -> None:
         num_workers = (os.cpu_count() or 1) if num_workers is None else num_workers
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -271,157 +205,64 @@ class RewardScorer:
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.chunk_size = chunk_size
-        cpu_cap_s = 2 * math.ceil(timeout_s) + 1  # only reached if this process cannot kill
-        self._worker_args = (header_key(header), think_end, memory_limit_mb, cpu_cap_s)
-        methods = mp.get_all_start_methods()
-        # forkserver forks replacements from a server that already imported sympy (ms, not ~1 s)
-        # and, unlike fork, is safe in a parent that runs threads (torch, vLLM).
-        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if "forkserver" in methods:
-            self._ctx.set_forkserver_preload(["math_verify", "anytime.reward"])
-        self._workers: list[_Worker] = []
+        self.dedupe = dedupe
+        self.last_stats = BatchStats(0, 0, 0)
+        self._key, self._think_end = header_key(header), think_end
         self._closed = False
-        self._start_failures = 0
-        self._finalizer = weakref.finalize(self, _reap, self._workers)
-        for _ in range(num_workers):
-            self._workers.append(self._spawn())
-
-    def _spawn(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, *self._worker_args), daemon=True,
-            name="anytime-reward-worker",
+        self._pool = WorkerPool(
+            num_workers, timeout_s, _worker_verifier, ("1", ("1",)), chunk_size=chunk_size,
+            memory_limit_mb=memory_limit_mb, preload=["math_verify", "anytime.reward"],
         )
-        process.start()
-        child_conn.close()
-        return _Worker(process, parent_conn, process.pid)
-
-    def _replace(self, worker: _Worker) -> None:
-        _reap([worker])
-        self._workers[self._workers.index(worker)] = self._spawn()
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the current workers (for monitoring and tests)."""
-        return [w.pid for w in self._workers]
+        return self._pool.pids
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started and warmed up (`score` does not need this)."""
+        self._pool.wait_ready()
 
     def score(self, texts: Sequence[str], golds: Sequence[object]) -> list[Verdict]:
         """Score ``texts[i]`` against ``golds[i]``; returns one `Verdict` per item, in order.
 
-        Golds are normalised here (a bad gold raises ValueError naming its row); texts are only
-        looked at inside the workers.
+        Golds are normalised first (a bad gold raises ValueError naming its row); texts are read
+        with `read_answer`, and only their answers reach math-verify, in the workers.
         """
         if self._closed:
             raise RuntimeError("RewardScorer is closed; create a new one")
         if len(texts) != len(golds):
             raise ValueError(f"got {len(texts)} texts but {len(golds)} golds; pass one gold per text")
-        items = []
+        normalized = []
         for i, (text, gold) in enumerate(zip(texts, golds)):
             if not isinstance(text, str):
                 raise ValueError(f"texts[{i}] must be a str, got {type(text).__name__}")
             try:
-                items.append((i, text, normalize_gold(gold)))
+                normalized.append(tuple(normalize_gold(gold)))
             except ValueError as err:
                 raise ValueError(f"golds[{i}]: {err}") from err
-        if not items:
-            return []
-        size = self.chunk_size or max(1, min(32, -(-len(items) // (4 * self.num_workers))))
-        try:
-            return self._run(items, size)
-        except BaseException:
-            # Busy workers would deliver stale results into the next call: replace them.
-            for worker in list(self._workers):
-                if worker.inflight or not worker.process.is_alive():
-                    self._replace(worker)
-            raise
-
-    def _run(self, items: list[tuple[int, str, list[str]]], size: int) -> list[Verdict]:
-        by_index = {item[0]: item for item in items}
-        pending = deque(items[start:start + size] for start in range(0, len(items), size))
-        results: dict[int, Verdict] = {}
-        crashes: dict[int, int] = {}  # item index -> worker deaths while it was the head item
-
-        def requeue(worker: _Worker) -> None:
-            if worker.inflight:
-                pending.appendleft([by_index[i] for i in worker.inflight])
-            worker.inflight.clear()
-
-        while len(results) < len(items):
-            now = time.monotonic()
-            for worker in self._workers:
-                # A worker that died while idle gets no work (its item would be an "error");
-                # the death check below replaces it.
-                if worker.ready and not worker.inflight and pending and worker.process.is_alive():
-                    chunk = pending.popleft()
-                    try:
-                        worker.conn.send(chunk)
-                    except OSError:  # died just now, before reading anything
-                        pending.appendleft(chunk)
-                        continue
-                    worker.inflight.extend(index for index, _, _ in chunk)
-                    worker.deadline = time.monotonic() + self.timeout_s
-            deadline = min(w.deadline for w in self._workers)
-            waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
-            wait(waitables, timeout=max(0.0, deadline - now) if deadline < float("inf") else None)
-            for worker in list(self._workers):
-                self._drain(worker, results)
-                if not worker.process.is_alive():
-                    self._drain(worker, results)  # whatever it sent just before dying
-                    if not worker.ready:
-                        # A broken environment fails every start; one killed start is retried.
-                        self._start_failures += 1
-                        if self._start_failures >= _MAX_START_FAILURES:
-                            code = worker.process.exitcode
-                            self.close()
-                            raise RuntimeError(
-                                f"reward workers keep dying while starting (last exit code {code}); "
-                                "a script that creates a RewardScorer needs an "
-                                "`if __name__ == '__main__':` guard"
-                            )
-                        self._replace(worker)
-                        continue
-                    # Died mid-chunk (segfault, OOM kill, or killed from outside before it even
-                    # read the chunk): the head item gets one retry, a second death makes it an
-                    # "error"; the rest of the chunk is requeued.
-                    if worker.inflight and worker.process.exitcode == -_SIGXCPU:
-                        # The kernel's CPU cap ended it: this process was too slow to kill it.
-                        results[worker.inflight.popleft()] = Verdict(0.0, "timeout", None)
-                    elif worker.inflight:
-                        head = worker.inflight[0]
-                        crashes[head] = crashes.get(head, 0) + 1
-                        if crashes[head] >= _MAX_CRASHES:
-                            results[worker.inflight.popleft()] = Verdict(0.0, "error", None)
-                    requeue(worker)
-                    self._replace(worker)
-                elif worker.inflight and time.monotonic() > worker.deadline:
-                    results[worker.inflight.popleft()] = Verdict(0.0, "timeout", None)
-                    requeue(worker)
-                    self._replace(worker)
-        return [results[i] for i in range(len(items))]
-
-    def _drain(self, worker: _Worker, results: dict[int, Verdict]) -> None:
-        """Collect every message the worker has sent so far."""
-        try:
-            while worker.conn.poll():
-                message = worker.conn.recv()
-                if message == ("ready",):
-                    worker.ready = True
-                    self._start_failures = 0
-                    continue
-                index, score, reason, parsed = message
-                if not worker.inflight or worker.inflight[0] != index:
-                    raise RuntimeError(f"reward worker answered item {index} out of order")
-                worker.inflight.popleft()
-                results[index] = Verdict(score, reason, parsed)
-                # The worker starts the next item as soon as it sent this one.
-                worker.deadline = time.monotonic() + self.timeout_s if worker.inflight else float("inf")
-        except (EOFError, OSError):
-            pass  # the worker died; the caller sees it through the process sentinel
+        verdicts: list[Verdict | None] = [None] * len(texts)
+        # (answer, golds) -> the items that share it; without dedupe the item index keeps them apart
+        pairs: dict[tuple[Any, ...], list[int]] = {}
+        for i, (text, gold) in enumerate(zip(texts, normalized)):
+            read = read_answer(text, self._key, self._think_end)
+            if isinstance(read, Verdict):
+                verdicts[i] = read
+            else:
+                pairs.setdefault((read, gold) if self.dedupe else (read, gold, i), []).append(i)
+        results = self._pool.run([pair[:2] for pair in pairs])
+        for ((answer, *_), indices), result in zip(pairs.items(), results):
+            verdict = Verdict(0.0, result.reason, None) if isinstance(result, Failure) else Verdict(*result, answer)
+            for i in indices:
+                verdicts[i] = verdict
+        answered = sum(len(indices) for indices in pairs.values())
+        self.last_stats = BatchStats(len(texts), answered, len(pairs))
+        return verdicts  # type: ignore[return-value]
 
     def close(self) -> None:
         """Kill and join every worker. Idempotent."""
         self._closed = True
-        self._finalizer()
+        self._pool.close()
 
     def __enter__(self) -> RewardScorer:
         return self

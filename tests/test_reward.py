@@ -374,3 +374,7 @@ def test_real_benchmark_golds_verify_against_themselves_not_each_other() -> None
             self_rate, cross_rate, failures = golds_script.gold_rates(answers, pool)
             assert self_rate >= 0.99, (name, failures[:5])
             assert cross_rate < 0.02, name
+            # The same golds as models also write them: 870000000, 90°, E_1,E_2 (issue 15).
+            _, variant_rate, variant_cross, failures = golds_script.variant_rates(answers, pool)
+            assert variant_rate >= 0.99, (name, failures[:5])
+            assert variant_cross < 0.02, name

@@ -31,12 +31,17 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def _head_chunk(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
                 temperature: float, with_entropy: bool) -> torch.Tensor:
-    """[n, 1 or 2]: log-prob (and entropy) of n tokens from their hidden states."""
+    """[n, 1 or 2]: log-prob (and entropy) of n tokens from their hidden states. One log-softmax
+    serves both (at temperature 1), which keeps the chunk's saved tensors to two [n, V] ones."""
     logits = head(hidden)
-    lp = token_logprobs(logits, labels, temperature)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return lp.unsqueeze(-1)
-    return torch.stack([lp, token_entropy(logits)], dim=-1)
+    if temperature != 1.0:
+        logp = torch.log_softmax(logits, dim=-1)
+    return torch.stack([lp, -(logp.exp() * logp).sum(-1)], dim=-1)
 
 
 def head_chunks(selected: int, chunk_tokens: int) -> int:

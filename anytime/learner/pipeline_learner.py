@@ -68,7 +68,7 @@ class PipelineLearner:
             if len(mini.batch) == 0:
                 continue
             lp = self.model.logprobs(self._tensors(mini.batch))[: len(mini.batch)].float().cpu()
-            out[mini.rows, : lp.shape[1]] = lp
+            out[mini.rows, : lp.shape[1]] = torch.where(mini.batch.valid_mask, lp, 0.0)
         return out
 
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:

@@ -9,7 +9,7 @@ pipelined log-probs, and the weights under the full model's names (checkpoints, 
 Batches may carry tree-packed rows (`skip_start`/`skip_end`, see `anytime.attention`): every
 stage gets its microbatch's position ids and 4-D mask through the stage kwargs. The last stage
 turns its hidden states into log-probs in chunks of tokens (no full logits), at the trained
-tokens in training and at every in-row token for `logprobs`.
+tokens in training and at every column for `logprobs` (rows may be left-padded here).
 """
 
 from __future__ import annotations
@@ -346,14 +346,13 @@ class PipelinedCausalLM:
         if self.validator.pending:
             self.validate()
         b = self._prepare(batch)
-        mask = b["attention_mask"]
-        inside = mask[:, 1:].bool() if mask is not None and mask.dim() == 2 else torch.ones_like(b["ids"][:, 1:]).bool()
+        every = torch.ones_like(b["ids"][:, 1:], dtype=torch.bool)  # padding too: rows may be left-padded
 
         def output_fn(out: torch.Tensor, j: int) -> torch.Tensor:
             return out[..., 0]
 
         stats = self.executor.forward(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], output_fn,
-                                      self._boundary(b), stage_kwargs=self._kwargs(b, self._head_kwargs(b, inside)))
+                                      self._boundary(b), stage_kwargs=self._kwargs(b, self._head_kwargs(b, every)))
         rank = dist.get_rank(self.group)
         out = torch.cat([stats.outputs[j] for j in range(self.schedule.microbatches)]) \
             if rank == self.last_rank else None

@@ -31,8 +31,8 @@ def packed_attn_implementation(device: torch.device | str) -> str | None:
     return "flex_attention" if torch.device(device).type == "cuda" else None
 
 
-def has_branches(skip_start: torch.Tensor, skip_end: torch.Tensor) -> bool:
-    """Whether any token of these rows is a branch token (whose attention is not plain causal)."""
+def has_branches(skip_end: torch.Tensor) -> bool:
+    """Whether any token of these rows is a branch token (its span ends at its branch's start, > 0)."""
     return bool(skip_end.any())
 
 
@@ -77,7 +77,7 @@ def attention_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, skip_start:
     get the usual 2-D padding mask (and the model's own causal masking); tree-packed rows get a
     4-D mask (a `BlockMask` under FlexAttention) and their position ids."""
     device = input_ids.device
-    if not has_branches(skip_start, skip_end):
+    if not has_branches(skip_end):
         padding = torch.arange(input_ids.shape[1], device=device) < lengths.to(device)[:, None]
         return {"attention_mask": padding.long(), "position_ids": None}
     skip_start, skip_end = skip_start.to(device), skip_end.to(device)

@@ -17,7 +17,9 @@ Every measurement runs in a fresh process (`--child`), so peak memory is that pr
 Prints ``name@setting: value`` lines:
   learner_tokens_rows / _packed     tokens the learner runs per step (sum of row lengths)
   packed_over_rows_tokens           their ratio
-  update_s_rows / _packed           seconds of the PPO update (forward/backward + optimizer step)
+  update_s_rows / _packed           seconds of the PPO update (forward/backward + optimizer step), the
+                                    fastest of `--repeats` runs, rows and packed runs interleaved (other
+                                    jobs on the machine slow single runs by up to several times)
   update_s_packed_over_rows         their ratio
   logprob_s_packed_over_rows        the same for the old log-probs pass
   peak_mem_rows_mb / _packed_mb     peak RSS growth of the update when one micro-batch holds the
@@ -28,7 +30,7 @@ and, for one micro-batch of 8192 tokens with a 49,152-token vocabulary and SmolL
 576 (LM head, log-softmax, entropy and their backward):
   peak_mem_logprob_full_mb / _chunked_mb, peak_mem_logprob_chunked_over_full (chunks of 1024 tokens)
 
-Usage: python benchmarks/learner_packing.py [--settings quickstart,paper] [--skip-logprob]
+Usage: python benchmarks/learner_packing.py [--settings quickstart,paper] [--repeats 2] [--skip-logprob]
 Timings need a quiet machine; `load_average` is printed first.
 """
 
@@ -102,7 +104,8 @@ def synthetic_rollout(s: Setting, prompts: int, traces: int, seed: int = 0):
     return AnytimeRollout(
         budgets=list(s.budgets), golds=["0"] * B, prompt_ids=padded(prompt, torch.long, (B,)),
         prompt_len=torch.tensor([len(p) for p in prompt]), think_ids=padded(think, torch.long, (B, G)),
-        think_logprobs=-torch.rand(B, G, top, generator=gen), think_len=torch.tensor([len(t) for t in think]).view(B, G),
+        think_logprobs=-torch.rand(B, G, top, generator=gen),
+        think_len=torch.tensor([len(t) for t in think]).view(B, G),
         natural_end=torch.tensor(natural).view(B, G), eos_end=torch.zeros(B, G, dtype=torch.bool),
         cut=torch.tensor(cuts).view(B, G, S), forced_close=torch.tensor(forced).view(B, G, S),
         prefix_group=torch.tensor(groups).view(B, G, S), summary_ids=padded(summaries, torch.long, (B, G, S, A)),
@@ -155,8 +158,8 @@ def child_update(name: str, layout: str, mode: str) -> dict:
                          max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    cfg = LearnerConfig(lr=1e-4, mini_batch_prompts=prompts, micro_batch_tokens=10**9 if memory else s.micro_batch_tokens,
-                        pack_summaries=layout == "packed")
+    cfg = LearnerConfig(lr=1e-4, mini_batch_prompts=prompts, pack_summaries=layout == "packed",
+                        micro_batch_tokens=10**9 if memory else s.micro_batch_tokens)
     learner = TorchLearner(model, cfg, total_steps=1)
     algo = AlgorithmConfig(loss_agg="constant")
     start = time.perf_counter()
@@ -202,6 +205,7 @@ def _run_child(*args: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per layout (the fastest counts)")
     parser.add_argument("--skip-logprob", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -212,9 +216,13 @@ def main() -> int:
         return 0
     print(f"load_average: {os.getloadavg()[0]:.2f}", flush=True)
     for name in args.settings.split(","):
-        runs = {(layout, mode): _run_child("update", name, layout, mode)
-                for layout in ("rows", "packed") for mode in ("time", "memory")}
-        rows, packed = runs[("rows", "time")], runs[("packed", "time")]
+        runs = {(layout, "memory"): _run_child("update", name, layout, "memory") for layout in ("rows", "packed")}
+        timed: dict[str, list[dict]] = {"rows": [], "packed": []}
+        for _ in range(max(1, args.repeats)):
+            for layout in timed:
+                timed[layout].append(_run_child("update", name, layout, "time"))
+        rows, packed = ({**t[0], **{k: min(r[k] for r in t) for k in ("update_s", "logprob_s")}}
+                        for t in (timed["rows"], timed["packed"]))
         lines = {"learner_tokens_rows": rows["tokens"], "learner_tokens_packed": packed["tokens"],
                  "packed_over_rows_tokens": packed["tokens"] / rows["tokens"],
                  "update_s_rows": rows["update_s"], "update_s_packed": packed["update_s"],
@@ -222,7 +230,8 @@ def main() -> int:
                  "logprob_s_packed_over_rows": packed["logprob_s"] / rows["logprob_s"],
                  "peak_mem_rows_mb": runs[("rows", "memory")]["peak_mb"],
                  "peak_mem_packed_mb": runs[("packed", "memory")]["peak_mb"],
-                 "peak_mem_packed_over_rows": runs[("packed", "memory")]["peak_mb"] / runs[("rows", "memory")]["peak_mb"]}
+                 "peak_mem_packed_over_rows": runs[("packed", "memory")]["peak_mb"]
+                 / runs[("rows", "memory")]["peak_mb"]}
         for key, value in lines.items():
             print(f"{key}@{name}: {value:.4g}" if isinstance(value, float) else f"{key}@{name}: {value}", flush=True)
     if not args.skip_logprob:

@@ -80,7 +80,7 @@ class TrainBatch:
     @property
     def packed(self) -> bool:
         """Whether any row holds summary branches (and so needs a tree mask)."""
-        return has_branches(self.skip_start, self.skip_end)
+        return has_branches(self.skip_end)
 
     @property
     def position_ids(self) -> torch.Tensor:

@@ -217,7 +217,7 @@ class PipelinedCausalLM:
         mask = _field(batch, "attention_mask", required=False)
         pos = _field(batch, "position_ids", required=False)
         spans = [_field(batch, name, required=False) for name in ("skip_start", "skip_end")]
-        packed = spans[0] is not None and spans[1] is not None and has_branches(*spans)
+        packed = spans[0] is not None and spans[1] is not None and has_branches(spans[1])
         return {"ids": ids, "rows": rows, "length": length, "mb": rows // m,
                 "attention_mask": None if mask is None else mask.to(self.device),
                 "position_ids": None if pos is None else pos.to(self.device),

@@ -143,6 +143,8 @@ class LearnerConfig:
     ppo_epochs: int = 1
     mini_batch_prompts: int = 32
     micro_batch_tokens: int = 16384
+    pack_summaries: bool = True         # one tree-packed row per trace (summaries as branches) vs a row per summary
+    logprob_chunk_tokens: int = 1024    # tokens per LM-head chunk: no [tokens × vocab] logits beyond one chunk
     zero_stage: int = 2
     bf16: bool = False
     reference_model: bool = False       # needed only with algorithm.kl_coef > 0
@@ -393,6 +395,7 @@ def validate(r: Recipe) -> None:
                        ("learner.ppo_epochs", r.learner.ppo_epochs),
                        ("learner.mini_batch_prompts", r.learner.mini_batch_prompts),
                        ("learner.micro_batch_tokens", r.learner.micro_batch_tokens),
+                       ("learner.logprob_chunk_tokens", r.learner.logprob_chunk_tokens),
                        ("learner.num_processes", r.learner.num_processes),
                        ("learner.pipeline.stages", r.learner.pipeline.stages),
                        ("learner.pipeline.microbatches", r.learner.pipeline.microbatches),

@@ -4,7 +4,8 @@ selection, padding rows, sharding by prompt, mini- and micro-batches, the tensor
 import pytest
 import torch
 
-from anytime.learner.batch import TrainBatch, build_train_batch, segment_index
+from anytime.learner.batch import TrainBatch
+from anytime.learner.packing import build_train_batch, segment_index
 from anytime.reward import REASONS
 from anytime.rollout.anytime import AnytimeRollout, padded
 
@@ -120,3 +121,35 @@ def test_tensor_round_trip():
 def test_advantages_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match=r"thinking advantages must be \[B, G, S\] = \(1, 1, 2\)"):
         build_train_batch(_rollout(), torch.zeros(1, 1, 1), torch.zeros(1, 1, 2, 2), summary_max_tokens=4)
+
+
+def test_packed_row_holds_the_trace_and_its_summaries_as_branches():
+    rollout = _rollout()
+    t_adv = torch.tensor([[[0.5, -0.25]]], dtype=torch.float64)
+    s_adv = torch.tensor([[[[1.0, -1.0], [0.0, 2.0]]]], dtype=torch.float64)
+    batch = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=4, pack=True)
+    assert len(batch) == 1 and batch.sequences.tolist() == [4]  # thinking + 3 summaries (one had advantage 0)
+    ids = batch.input_ids[0].tolist()
+    #      prompt    thinking (own </think>)  cut 2: close+header+summary ×2         past the end: header + summary
+    assert ids == [1, 2, 3, 10, 11, 12, 13, 14, 90, 91, 92, 50, 51, 90, 91, 92, 50, 51, 92, 52]
+    # branch tokens continue from their cut and see prompt + thinking[:cut] + themselves
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 8, 9]
+    assert batch.skip_start[0, 8:].tolist() == [5] * 10 + [8, 8]
+    assert batch.skip_end[0, 8:].tolist() == [8] * 5 + [13] * 5 + [18, 18]
+    assert batch.summary_mask[0].nonzero().flatten().tolist() == [10, 11, 15, 16, 18]
+    assert batch.inserted_mask[0].nonzero().flatten().tolist() == [7, 8, 9, 12, 13, 14, 17]
+    assert batch.advantages[0, [10, 15, 18]].tolist() == [1.0, -1.0, 2.0]
+    assert batch.segments[0, [2, 10, 11, 15, 18]].tolist() == [0, 8, 8, 13, 18]
+    assert batch.tokens_per_prompt.tolist() == [5 + 2 * 2 + 2 * 1] and batch.packed
+    # selection, padding rows and the tensor round trip keep the spans
+    grown = batch.select([0]).with_padding_rows(1)
+    assert grown.skip_end.shape == grown.input_ids.shape and grown.sequences.tolist() == [4, 0]
+    again = TrainBatch.from_tensors(grown.to_tensors())
+    assert torch.equal(again.skip_start, grown.skip_start) and torch.equal(again.position_ids, grown.position_ids)
+    # zero thinking advantages: an untrained trunk, cut to the longest cut a trained summary needs
+    short = build_train_batch(rollout, torch.zeros(1, 1, 2), s_adv.clone().index_fill_(2, torch.tensor([1]), 0.0),
+                              summary_max_tokens=4, pack=True)
+    assert short.input_ids[0].tolist() == [1, 2, 3, 10, 11, 90, 91, 92, 50, 51, 90, 91, 92, 50, 51]
+    assert not short.thinking_mask.any() and short.sequences.tolist() == [2]
+    assert len(build_train_batch(rollout, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, 2), summary_max_tokens=4,
+                                 pack=True)) == 0

@@ -19,6 +19,16 @@ def test_aggregations():
         aggregate(x, mask, "sum")
 
 
+def test_seq_mean_over_the_sequences_of_packed_rows():
+    """Both rows above packed into one row: the segment ids keep the two sequences' means apart."""
+    x = torch.tensor([[9.0, 1.0, 2.0, 3.0, 7.0, 4.0]])
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1]])
+    segments = torch.tensor([[0, 0, 0, 0, 5, 5]])
+    assert aggregate(x, mask, "seq-mean-token-mean", segments=segments).item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(x, mask, "seq-mean-token-mean", segments=segments, num_rows=3).item() == pytest.approx(6 / 3)
+    assert aggregate(x, mask, "seq-mean-token-mean").item() == pytest.approx(10 / 4)  # one sequence without them
+
+
 def test_ppo_clip_higher():
     old = torch.zeros(1, 4)
     new = torch.log(torch.tensor([[0.5, 0.9, 1.1, 1.5]]))

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig, RecipeError, load_recipe
 from anytime.learner.batch import TrainBatch
+from test_packing import assert_same_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -186,6 +187,52 @@ def test_pipelined_rl_update_equals_the_unpipelined_one(tmp_path):
     for r in resume:
         assert r["step"] == 1 and r["loaded_err"] == 0.0
         assert r["after_err"] <= TOL and r["lr"][0] == r["lr"][1]
+
+
+# Tree-packed rows through the pipeline: (schedule, microbatches, loss aggregation).
+PACKED_CASES = [("zb-h1", 4, "seq-mean-token-mean"), ("1f1b", 2, "constant"), ("zb-v", 2, "token-mean")]
+
+
+def _packed_worker(rank: int, world: int, init_file: str, out_dir: str, model_dir: str) -> None:
+    from test_packing import exact_norms, one_step, step_configs
+    from transformers import AutoModelForCausalLM
+
+    from anytime.learner.pipeline_learner import PipelineLearner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for schedule, m, agg in PACKED_CASES:
+            batch = TrainBatch.from_tensors(torch.load(os.path.join(out_dir, "packed.pt")))
+            algo, cfg = step_configs(agg, 1e-2, pipeline=PipelineConfig(stages=2, schedule=schedule, microbatches=m))
+            model = exact_norms(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64))
+            learner = PipelineLearner(model, cfg, total_steps=1, dtype=torch.float64)
+            result = one_step(learner, learner.model.named_parameters, batch, algo)
+            torch.save(result, os.path.join(out_dir, f"packed-{schedule}.rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pipelined_packed_step_equals_the_row_per_summary_step(tiny_model_dir, tmp_path):
+    """Tree-packed rows of a real rollout on 2 pipeline ranks: the old log-probs, loss, every
+    gradient and the updated weights of one step equal the torch learner's on the row-per-summary
+    layout (fp64, exact norms, <= 1e-10)."""
+    from test_packing import layouts, real_rollout, stopping_model, torch_step
+
+    model_dir = stopping_model(tiny_model_dir, tmp_path / "model")
+    rows, packed = layouts(real_rollout(model_dir))
+    assert packed.packed and len(packed) < len(rows)
+    torch.save(packed.to_tensors(), tmp_path / "packed.pt")
+    mp.spawn(_packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path), model_dir), nprocs=2)
+    for schedule, _, agg in PACKED_CASES:
+        ref = torch_step(model_dir, rows, torch.float64, agg, 1e-2)
+        runs = [torch.load(tmp_path / f"packed-{schedule}.rank{r}.pt") for r in range(2)]
+        for run in runs:
+            assert_same_step(ref, run, TOL, sums=run["sums"]["tokens"] > 0)
+        assert sorted(set(runs[0]["grads"]) | set(runs[1]["grads"])) == sorted(ref["grads"])
 
 
 def _reference_start(model_dir: str) -> dict:

@@ -1,9 +1,16 @@
-"""Per-token log-probabilities and entropies from logits, computed without materialising a
-full-vocabulary log-softmax more than once."""
+"""Per-token log-probabilities and entropies: from logits, and from hidden states through the LM
+head in chunks of tokens, so a learner never holds the [tokens × vocabulary] logits (or their
+log-softmax, or their gradient) of more than one chunk."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# Tokens per LM-head chunk when a caller gives none: 1024 × a 151k vocabulary is 0.6 GB of fp32 logits.
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -20,3 +27,67 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def _head_chunk(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                temperature: float, with_entropy: bool) -> torch.Tensor:
+    """[n, 1 or 2]: log-prob (and entropy) of n tokens from their hidden states. One log-softmax
+    serves both (at temperature 1), which keeps the chunk's saved tensors to two [n, V] ones."""
+    logits = head(hidden)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return lp.unsqueeze(-1)
+    if temperature != 1.0:
+        logp = torch.log_softmax(logits, dim=-1)
+    return torch.stack([lp, -(logp.exp() * logp).sum(-1)], dim=-1)
+
+
+def head_chunks(selected: int, chunk_tokens: int) -> int:
+    """LM-head calls for `selected` tokens in chunks of `chunk_tokens` (at least one)."""
+    return max(1, -(-selected // max(1, chunk_tokens)))
+
+
+def selected_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
+                      select: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, temperature: float = 1.0,
+                      with_entropy: bool = False, chunks: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) `[R, T]` of `labels [R, T]` given `hidden [R, T, H]` (the state at
+    each label's context, i.e. already shifted), computed only where `select` is True (0 elsewhere).
+
+    `head` maps hidden states to logits. The selected tokens go through it `chunk_tokens` at a
+    time; under autograd each chunk is checkpointed, so the backward recomputes that chunk's
+    logits instead of keeping them: peak memory grows with the chunk, not with tokens × vocabulary.
+    Entropy is that of the untempered logits. Per token the result is the unchunked computation's.
+
+    `chunks` (>= `head_chunks(selected, chunk_tokens)`) fixes how many times the head runs, spare
+    calls on one state times 0: under ZeRO-3 every head call gathers its weight, a collective, so
+    data-parallel ranks must make the same number of calls (and all of them must reach the head's
+    weight in the backward, even with nothing selected).
+    """
+    rows = select.nonzero(as_tuple=True)
+    states, targets = hidden[rows], labels[rows]
+    size = max(1, chunk_tokens)
+    calls = max(head_chunks(states.shape[0], size), chunks or 0)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    spare = (hidden.reshape(-1, hidden.shape[-1])[:1], labels.reshape(-1)[:1])
+    parts, idle = [], []
+    for k in range(calls):
+        piece = (states[k * size:(k + 1) * size], targets[k * size:(k + 1) * size])
+        empty = piece[0].shape[0] == 0
+        if empty:
+            piece = spare
+        if grad:
+            value = checkpoint(_head_chunk, head, *piece, temperature, with_entropy, use_reentrant=False,
+                               preserve_rng_state=False)
+        else:
+            value = _head_chunk(head, *piece, temperature, with_entropy)
+        (idle if empty else parts).append(value)
+    width = 2 if with_entropy else 1
+    dtype = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+    values = torch.cat(parts) if parts else hidden.new_zeros((0, width), dtype=dtype)
+    out = values.new_zeros((*select.shape, width)).index_put(rows, values)
+    if idle and grad:  # keep the spare calls in the graph: their (zero) gradients reach the head's weight
+        out = out + 0.0 * torch.stack([v.sum() for v in idle]).sum()
+    return out[..., 0], (out[..., 1] if with_entropy else None)

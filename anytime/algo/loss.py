@@ -2,7 +2,8 @@
 
 Aggregations (a registry, keyed by the recipe's `algorithm.loss_agg`):
 - `token-mean`: Σ loss·mask / Σ mask (DAPO);
-- `seq-mean-token-mean`: mean over rows of each row's token mean (original GRPO);
+- `seq-mean-token-mean`: mean over sequences of each sequence's token mean (original GRPO); a
+  sequence is a row, or with `segments` (tree-packed rows) a (row, segment id) pair;
 - `constant`: Σ loss·mask / (rows × max_len), the Dr.GRPO / AnytimeReasoner normaliser
   (verl's `just_mean` rescaled by mini-batch size), so long traces are not down-weighted.
 When a mini-batch is split into micro-batches, pass the mini-batch totals (`num_tokens`,
@@ -19,20 +20,27 @@ KL_TYPES = ("k1", "k3")
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
-                max_len: int | None) -> torch.Tensor:
+                max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
     denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype)
     return (x * mask).sum() / denom.clamp_min(1)
 
 
 def _seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
-                         max_len: int | None) -> torch.Tensor:
-    per_row = (x * mask).sum(-1) / mask.sum(-1).clamp_min(1)
-    rows = (mask.sum(-1) > 0).sum() if num_rows is None else torch.as_tensor(num_rows, dtype=x.dtype)
-    return per_row.sum() / rows.clamp_min(1)
+                         max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
+    if segments is None:
+        sums, counts = (x * mask).sum(-1), mask.sum(-1)
+    else:  # one bucket per (row, segment id): the sequences a packed row holds
+        width = int(segments.max()) + 1 if segments.numel() else 1
+        key = (segments.long() + width * torch.arange(x.shape[0], device=x.device)[:, None]).flatten()
+        sums = x.new_zeros(x.shape[0] * width).index_add(0, key, (x * mask).flatten())
+        counts = mask.new_zeros(x.shape[0] * width).index_add(0, key, mask.flatten())
+    per_seq = sums / counts.clamp_min(1)
+    seqs = (counts > 0).sum() if num_rows is None else torch.as_tensor(num_rows, dtype=x.dtype)
+    return per_seq.sum() / seqs.clamp_min(1)
 
 
 def _constant(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
-              max_len: int | None) -> torch.Tensor:
+              max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0] if num_rows is None else num_rows
     length = x.shape[-1] if max_len is None else max_len
     return (x * mask).sum() / (rows * length)
@@ -46,10 +54,11 @@ AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str, *, num_tokens: float | None = None,
-              num_rows: float | None = None, max_len: int | None = None) -> torch.Tensor:
+              num_rows: float | None = None, max_len: int | None = None,
+              segments: torch.Tensor | None = None) -> torch.Tensor:
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
-    return AGGREGATIONS[agg](x, mask.to(x.dtype), num_tokens, num_rows, max_len)
+    return AGGREGATIONS[agg](x, mask.to(x.dtype), num_tokens, num_rows, max_len, segments)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -66,8 +75,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
                 num_tokens: float | None = None, num_rows: float | None = None, max_len: int | None = None,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k3",
-                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                segments: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss over tokens `[rows, T]`; ratio clipped to [1 − clip_low, 1 + clip_high].
+    `segments [rows, T]` tells the sequences of tree-packed rows apart (seq-mean-token-mean).
 
     Returns the scalar loss and statistics (clip fraction, approx-KL to the old policy, KL to the
     reference and entropy when given), each a token mean over `mask`.
@@ -78,7 +89,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_rows=num_rows, max_len=max_len)
+    norm = {"num_tokens": num_tokens, "num_rows": num_rows, "max_len": max_len, "segments": segments}
+    loss = aggregate(per_token, mask, agg, **norm)
     count = mask.sum().clamp_min(1)
     with torch.no_grad():
         stats = {
@@ -89,11 +101,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         }
     if ref_logprobs is not None and kl_coef != 0.0:
         kl = kl_penalty(logprobs, ref_logprobs, kl_type)
-        loss = loss + kl_coef * aggregate(kl, mask, agg, num_tokens=num_tokens, num_rows=num_rows, max_len=max_len)
+        loss = loss + kl_coef * aggregate(kl, mask, agg, **norm)
         stats["kl_ref"] = float((kl.detach() * mask).sum() / count)
     if entropy is not None:
         if entropy_coef != 0.0:
-            loss = loss - entropy_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, num_rows=num_rows,
-                                                   max_len=max_len)
+            loss = loss - entropy_coef * aggregate(entropy, mask, agg, **norm)
         stats["entropy"] = float((entropy.detach() * mask).sum() / count)
     return loss, stats

@@ -1,15 +1,15 @@
-"""The train batch: an `AnytimeRollout` + advantages → padded token rows with loss masks and
-per-token advantages, as tensors, target-aligned once.
-
-Each thinking trace is one row (prompt + thinking; thinking tokens trainable, each with the
-advantage of its budget segment). Each summary is one row (prompt + thinking[:cut] + inserted +
-summary; only the sampled summary tokens are trainable, the inserted close/header never are).
-Rows whose advantages are all zero are dropped when no KL/entropy term needs them; the loss
-normalisers are counted before dropping, so the loss is unchanged.
+"""The train batch: padded token rows with loss masks, per-token advantages and log-probs, as
+tensors, target-aligned once; selection, padding rows, sharding by prompt, mini- and micro-batches.
+(`anytime.learner.packing` builds it from a rollout, row per summary or tree-packed.)
 
 Every per-token tensor is aligned with the token it scores: column t refers to `input_ids[:, t+1]`
 (the target predicted at position t), so a learner's log-probs of `input_ids[:, 1:]` line up with
 masks, advantages and old log-probs without further shifting.
+
+A tree-packed row holds a whole trace: prompt + thinking, then its summary branches, each seeing
+only the prompt, the thinking up to its cut and itself. Each token carries the key span hidden from
+it, `[skip_start, skip_end)` (`anytime.attention` turns it into position ids and a mask per
+micro-batch); rows with no branches have empty spans and are plain causal rows.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from anytime.rollout.anytime import AnytimeRollout
+from anytime.attention import has_branches, position_ids
 
 # Per-row tensors (first dimension = rows) and per-token ones ([rows, T - 1], target-aligned).
 _ROW_FIELDS = ("input_ids", "lengths", "prompt_index", "thinking_mask", "summary_mask", "inserted_mask",
-               "advantages", "rollout_logprobs", "old_logprobs")
-_TOKEN_FIELDS = _ROW_FIELDS[3:]
+               "advantages", "rollout_logprobs", "old_logprobs", "skip_start", "skip_end", "sequences")
+_TOKEN_FIELDS = _ROW_FIELDS[3:9]
+_INPUT_FIELDS = ("input_ids", "skip_start", "skip_end")   # [R, T], aligned with the input tokens
 
 
 @dataclass
@@ -44,6 +45,18 @@ class TrainBatch:
     traces_per_prompt: int             # G
     max_len: int                       # the constant normaliser's width: thinking + S·A·(inserted + summary)
     pad_id: int = 0
+    skip_start: torch.Tensor | None = None   # [R, T] int32: keys [skip_start, skip_end) are hidden from
+    skip_end: torch.Tensor | None = None     # this token (a branch's cut-off thinking and earlier branches)
+    sequences: torch.Tensor | None = None    # [R] row-per-summary sequences trained in the row (seq-mean)
+
+    def __post_init__(self) -> None:
+        # Rows built without tree packing: no hidden spans, one sequence per row.
+        if self.skip_start is None:
+            self.skip_start = torch.zeros(self.input_ids.shape, dtype=torch.int32)
+        if self.skip_end is None:
+            self.skip_end = torch.zeros(self.input_ids.shape, dtype=torch.int32)
+        if self.sequences is None:
+            self.sequences = torch.ones(self.input_ids.shape[0], dtype=torch.long)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -64,12 +77,34 @@ class TrainBatch:
     def labels(self) -> torch.Tensor:
         return self.input_ids[:, 1:]
 
+    @property
+    def packed(self) -> bool:
+        """Whether any row holds summary branches (and so needs a tree mask)."""
+        return has_branches(self.skip_end)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return position_ids(self.skip_start, self.skip_end)
+
+    @property
+    def segments(self) -> torch.Tensor | None:
+        """[R, T-1] target-aligned: which row-per-summary sequence a target token belongs to (0 = the
+        thinking, a branch's start column for its tokens), for per-sequence means; None when every
+        row is one sequence."""
+        return self.skip_end[:, 1:] if self.packed else None
+
+    @property
+    def valid_mask(self) -> torch.Tensor:
+        """[R, T-1]: target columns inside the row (not padding)."""
+        return torch.arange(self.input_ids.shape[1] - 1, device=self.lengths.device) < (self.lengths[:, None] - 1)
+
     def select(self, rows: torch.Tensor | Sequence[int]) -> TrainBatch:
         """These rows, in this order, trimmed to the longest of them."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.lengths[rows].max()) if len(rows) else 2
         cut = {name: getattr(self, name)[rows] for name in _ROW_FIELDS}
-        cut["input_ids"] = cut["input_ids"][:, :width]
+        for name in _INPUT_FIELDS:
+            cut[name] = cut[name][:, :width]
         for name in _TOKEN_FIELDS:
             cut[name] = cut[name][:, : width - 1]
         return replace(self, **cut)
@@ -83,8 +118,8 @@ class TrainBatch:
         grown = {}
         for name in _ROW_FIELDS:
             t = getattr(self, name)
-            if name in ("input_ids", *_TOKEN_FIELDS):
-                t = _pad_columns(t, width - (name != "input_ids"), self.pad_id if name == "input_ids" else 0)
+            if name in (*_INPUT_FIELDS, *_TOKEN_FIELDS):
+                t = _pad_columns(t, width - (name not in _INPUT_FIELDS), self.pad_id if name == "input_ids" else 0)
             extra = torch.zeros((count, *t.shape[1:]), dtype=t.dtype)
             if name == "input_ids":
                 extra.fill_(self.pad_id)
@@ -92,6 +127,7 @@ class TrainBatch:
                 extra.fill_(2)
             elif name == "prompt_index":
                 extra.fill_(-1)
+            # sequences stays 0: a padding row trains no sequence
             grown[name] = torch.cat([t, extra])
         return replace(self, **grown)
 
@@ -113,8 +149,8 @@ class TrainBatch:
         joined = {}
         for name in _ROW_FIELDS:
             parts = [getattr(b, name) for b in batches]
-            if name == "input_ids":
-                parts = [_pad_columns(t, width, first.pad_id) for t in parts]
+            if name in _INPUT_FIELDS:
+                parts = [_pad_columns(t, width, first.pad_id if name == "input_ids" else 0) for t in parts]
             elif name in _TOKEN_FIELDS:
                 parts = [_pad_columns(t, width - 1, 0) for t in parts]
             joined[name] = torch.cat(parts)
@@ -185,68 +221,3 @@ def _pad_columns(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
     if t.shape[1] >= width:
         return t
     return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)], dim=1)
-
-
-def segment_index(length: int, budgets: Sequence[int]) -> torch.Tensor:
-    """Budget segment of each thinking token: token t (1-based) is in segment j = min{j: b_j ≥ t}
-    (tokens past the last budget stay in the last segment)."""
-    positions = torch.arange(1, length + 1)
-    return torch.searchsorted(torch.tensor(budgets), positions).clamp_max(len(budgets) - 1)
-
-
-def build_train_batch(rollout: AnytimeRollout, thinking_adv: torch.Tensor, summary_adv: torch.Tensor, *,
-                      thinking_weight: float = 1.0, summary_weight: float = 1.0, summary_max_tokens: int,
-                      drop_zero_rows: bool = True, pad_id: int = 0) -> TrainBatch:
-    """`thinking_adv [B, G, S]` per budget segment, `summary_adv [B, G, S, A]` per summary."""
-    r = rollout
-    B, G, S, A = r.scores.shape
-    if tuple(thinking_adv.shape) != (B, G, S):
-        raise ValueError(f"thinking advantages must be [B, G, S] = {(B, G, S)}, got {tuple(thinking_adv.shape)}")
-    if tuple(summary_adv.shape) != (B, G, S, A):
-        raise ValueError(f"summary advantages must be [B, G, S, A] = {(B, G, S, A)}, got {tuple(summary_adv.shape)}")
-    budgets = r.budgets
-    rows: list[tuple[list[torch.Tensor], list[int], int]] = []    # (pieces, [n_prompt, n_inserted], prompt)
-    values: list[tuple[torch.Tensor, torch.Tensor, str]] = []      # (advantage per trained token, logprobs, kind)
-    tokens = torch.zeros(B, dtype=torch.long)
-    for b in range(B):
-        prompt = r.prompt_ids[b, : r.prompt_len[b]]
-        for g in range(G):
-            n = int(r.think_len[b, g])
-            think = r.think_ids[b, g, :n]
-            adv = thinking_weight * thinking_adv[b, g].double()[segment_index(n, budgets)]
-            rows.append(([prompt, think], [len(prompt), 0], b))
-            values.append((adv, r.think_logprobs[b, g, :n], "thinking"))
-            for j in range(S):
-                inserted = torch.tensor(r.inserted_ids(b, g, j), dtype=torch.long)
-                head = [prompt, r.think_ids[b, g, : r.cut[b, g, j]], inserted]
-                for a in range(A):
-                    m = int(r.summary_len[b, g, j, a])
-                    value = summary_weight * float(summary_adv[b, g, j, a])
-                    rows.append(([*head, r.summary_ids[b, g, j, a, :m]],
-                                 [len(prompt) + int(r.cut[b, g, j]), len(inserted)], b))
-                    values.append((torch.full((m,), value, dtype=torch.float64),
-                                   r.summary_logprobs[b, g, j, a, :m], "summary"))
-            tokens[b] += n + int(r.summary_len[b, g].sum())
-    inserted_max = len(r.close_ids) + len(r.header_ids) if bool(r.forced_close.any()) else len(r.header_ids)
-    max_len = budgets[-1] + S * A * (inserted_max + summary_max_tokens)
-    keep = [i for i, (adv, _, _) in enumerate(values) if not drop_zero_rows or bool((adv != 0).any())]
-
-    lengths = torch.tensor([sum(len(p) for p in rows[i][0]) for i in keep], dtype=torch.long)
-    R, T = len(keep), int(lengths.max()) if keep else 2
-    out = {"input_ids": torch.full((R, T), pad_id, dtype=torch.long),
-           **{k: torch.zeros((R, T - 1), dtype=torch.bool) for k in ("thinking_mask", "summary_mask", "inserted_mask")},
-           **{k: torch.zeros((R, T - 1), dtype=torch.float32) for k in ("advantages", "rollout_logprobs")}}
-    for row, i in enumerate(keep):
-        pieces, (start, n_inserted), _ = rows[i]
-        adv, logprobs, kind = values[i]
-        ids = torch.cat(pieces)
-        out["input_ids"][row, : len(ids)] = ids
-        # the trained tokens are the last len(adv) of the row; target column = input position - 1
-        first = len(ids) - len(adv) - 1
-        out[f"{kind}_mask"][row, first: first + len(adv)] = True
-        out["inserted_mask"][row, start - 1: start - 1 + n_inserted] = True
-        out["advantages"][row, first: first + len(adv)] = adv.float()
-        out["rollout_logprobs"][row, first: first + len(adv)] = logprobs
-    return TrainBatch(**out, lengths=lengths, prompt_index=torch.tensor([rows[i][2] for i in keep], dtype=torch.long),
-                      old_logprobs=torch.zeros((R, T - 1), dtype=torch.float32), tokens_per_prompt=tokens,
-                      traces_per_prompt=G, max_len=max_len, pad_id=pad_id)

@@ -2,6 +2,11 @@
 prompts in micro-batches packed by a token budget, gradients averaged across ranks.
 `TorchLearner` runs plain PyTorch AdamW; `anytime.learner.deepspeed_learner` runs the same
 micro-batch loop on a DeepSpeed ZeRO engine.
+
+Rows may be tree-packed (`anytime.learner.packing`): each micro-batch gets its position ids and
+attention mask from the rows' hidden key spans. Log-probs come from the decoder's hidden states
+through the LM head in chunks of tokens (`anytime.algo.logprobs.selected_logprobs`), only for the
+tokens that are needed, so no micro-batch holds its whole [tokens × vocabulary] logits.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anytime.algo.logprobs import token_entropy, token_logprobs
+from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, head_chunks, selected_logprobs
+from anytime.attention import attention_inputs, packed_attn_implementation
 from anytime.config import LearnerConfig
 from anytime.dist import any_across_ranks, is_main, max_across_ranks, rank_world
 from anytime.learner.base import LossSpec, StepResult, lr_lambda
@@ -29,13 +35,29 @@ def load_model(path: str, dtype: torch.dtype, device: str, trust_remote_code: bo
     return model
 
 
-def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, with_entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Target-aligned log-probs (and entropies) of a batch's rows, [R, T-1]."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1]
-    lp = token_logprobs(logits, batch.labels)
-    return lp, (token_entropy(logits) if with_entropy else None)
+def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, select: torch.Tensor | None = None, *,
+                     with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                     chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target-aligned log-probs (and entropies) of a batch's rows, [R, T-1], at the columns
+    `select` (default: every column inside a row; 0 elsewhere); `chunks`: LM-head calls (see
+    `selected_logprobs`)."""
+    _check_plain_head(model)
+    dtype = next(model.parameters()).dtype
+    inputs = attention_inputs(batch.input_ids, batch.lengths, batch.skip_start, batch.skip_end, model.config, dtype)
+    hidden = model.get_decoder()(input_ids=batch.input_ids, use_cache=False, **inputs).last_hidden_state
+    select = batch.valid_mask if select is None else select
+    return selected_logprobs(hidden[:, :-1], model.get_output_embeddings(), batch.labels, select,
+                             chunk_tokens=chunk_tokens, with_entropy=with_entropy, chunks=chunks)
+
+
+def _check_plain_head(model: torch.nn.Module) -> None:
+    """Log-probs are taken from decoder states through the output embedding: refuse models whose
+    forward transforms logits further (they would silently train on other log-probs)."""
+    config = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(f"{type(model).__name__} scales or caps its logits ({name}={getattr(config, name)}); "
+                             f"the learner computes log-probs from the LM head alone and does not support it")
 
 
 class DataParallelLearner:
@@ -46,19 +68,39 @@ class DataParallelLearner:
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
         self.config = model.config
         self.device = next(model.parameters()).device
+        impl = packed_attn_implementation(self.device) if cfg.pack_summaries else None
+        for m in (model, ref_model):
+            if impl is not None and m is not None:
+                m.set_attn_implementation(impl)
         world = rank_world()[1]
         self.dp_size, self.dp_ranks = world, list(range(world))
+
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """(rows, micro-batch) packed by `learner.micro_batch_tokens`; ranks with fewer get empty ones
+        (a padding row, no rows of the batch), so every rank runs the same number of forwards
+        (ZeRO-3 gathers weights in each, ZeRO reduces gradients in each backward)."""
+        groups = batch.micro_batch_rows(self.cfg.micro_batch_tokens)
+        micro = [(rows, batch.select(rows)) for rows in groups]
+        most = max_across_ranks(len(micro))
+        return micro + [([], batch.select([]).with_padding_rows(1))] * (most - len(micro))
+
+    def _forward(self, model: torch.nn.Module, mb: TrainBatch, select: torch.Tensor | None = None,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_logprobs` with as many LM-head calls on every rank (ZeRO-3, see `selected_logprobs`)."""
+        chunk = self.cfg.logprob_chunk_tokens
+        chosen = mb.valid_mask if select is None else select
+        chunks = max_across_ranks(head_chunks(int(chosen.sum()), chunk))
+        return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         out = torch.zeros(batch.advantages.shape, dtype=torch.float32)
-        for rows in batch.micro_batch_rows(self.cfg.micro_batch_tokens):
-            micro = batch.select(rows)
-            lp, _ = forward_logprobs(self.model, micro.to(self.device))
-            valid = torch.arange(lp.shape[1]) < (micro.lengths[:, None] - 1)
-            out[rows, : lp.shape[1]] = torch.where(valid, lp.float().cpu(), 0.0)
+        for rows, micro in self._micro_batches(batch):
+            lp, _ = self._forward(self.model, micro.to(self.device))
+            if rows:
+                out[rows, : lp.shape[1]] = lp.float().cpu()
         self.model.train(was_training)
         return out
 
@@ -67,17 +109,16 @@ class DataParallelLearner:
         all ranks take the same number of backward passes (ZeRO reduces inside them). A non-finite
         micro-batch loss on any rank stops every rank before its backward."""
         self.model.train()
-        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
-        most = max_across_ranks(len(micro))
-        micro += [batch.select([]).with_padding_rows(1)] * (most - len(micro))
+        micro = self._micro_batches(batch)
         sums: dict[str, float] = {}
-        for index, mb in enumerate(micro):
+        for index, (_, mb) in enumerate(micro):
             mb = mb.to(self.device)
-            lp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
+            # the loss reads only the trained tokens: the LM head runs on those alone
+            lp, entropy = self._forward(self.model, mb, mb.loss_mask, with_entropy=True)
             ref_lp = None
             if self.ref_model is not None and loss.kl_coef != 0.0:
                 with torch.no_grad():
-                    ref_lp, _ = forward_logprobs(self.ref_model, mb)
+                    ref_lp, _ = self._forward(self.ref_model, mb, mb.loss_mask)
             value, part = token_loss(lp, entropy, mb, loss, ref_lp)
             if any_across_ranks(not bool(torch.isfinite(value))):
                 return {**sums, "loss": float("nan")}

@@ -4,7 +4,8 @@ holding its stages of a `PipelinedCausalLM` and a PyTorch AdamW over their weigh
 There is no data-parallel split: every rank holds the same rows. A PPO mini-batch is one padded
 batch whose row count is rounded up to a multiple of the schedule's microbatches with zero-mask
 rows, trained in one pipelined forward/backward; `learner.micro_batch_tokens` does not apply
-(a microbatch is the mini-batch's rows / `learner.pipeline.microbatches`).
+(a microbatch is the mini-batch's rows / `learner.pipeline.microbatches`). Tree-packed rows carry
+their hidden key spans to the pipeline, which builds each microbatch's mask and position ids.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PipelineLearner:
 
     def __init__(self, model: Any, cfg: LearnerConfig, total_steps: int, *, dtype: torch.dtype | None = None,
                  seed: int = 0, device: torch.device | str | None = None) -> None:
+        from anytime.attention import packed_attn_implementation
         from anytime.pipeline.causal_lm import PipelinedCausalLM
 
         p = cfg.pipeline
@@ -42,7 +44,9 @@ class PipelineLearner:
         self.model = PipelinedCausalLM(
             model, p.schedule, microbatches=p.microbatches, chunks=p.chunks, optimizer_factory=adamw,
             device=device, dtype=dtype, seed=seed, offload_chunks=p.offload_chunks,
-            max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, post_validate=p.post_validate)
+            max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, post_validate=p.post_validate,
+            attn_implementation=packed_attn_implementation(device or "cpu") if cfg.pack_summaries else None,
+            logprob_chunk_tokens=cfg.logprob_chunk_tokens)
         self.config = self.model.config
         self.optimizer = self.model.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -53,7 +57,7 @@ class PipelineLearner:
         padded = batch.with_padding_rows(-len(batch) % self.model.schedule.microbatches)
         return {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask,
                 "loss_mask": padded.loss_mask.float(), "advantages": padded.advantages,
-                "old_logprobs": padded.old_logprobs}
+                "old_logprobs": padded.old_logprobs, "skip_start": padded.skip_start, "skip_end": padded.skip_end}
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -64,8 +68,7 @@ class PipelineLearner:
             if len(mini.batch) == 0:
                 continue
             lp = self.model.logprobs(self._tensors(mini.batch))[: len(mini.batch)].float().cpu()
-            valid = torch.arange(lp.shape[1]) < (mini.batch.lengths[:, None] - 1)
-            out[mini.rows, : lp.shape[1]] = torch.where(valid, lp, 0.0)
+            out[mini.rows, : lp.shape[1]] = torch.where(mini.batch.valid_mask, lp, 0.0)
         return out
 
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:

@@ -30,7 +30,8 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> Loss
       zero-advantage rows were dropped (dropping them then changes nothing);
     - `constant` (Dr.GRPO): those prompts' traces × a width: `algorithm.loss_norm_length` when the
       recipe fixes it (the official code's max_response_length), else the batch's `max_len`;
-    - `seq-mean-token-mean`: the rows this rank trains in the mini-batch.
+    - `seq-mean-token-mean`: the sequences (thinking traces and summaries) this rank trains in the
+      mini-batch, whether each is a row or a branch of a tree-packed row.
     Each data-parallel rank normalises its own share and the gradients are averaged across ranks.
     """
     tokens = float(batch.tokens_per_prompt[mini.prompts].sum()) if mini.prompts else 0.0
@@ -38,7 +39,7 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> Loss
     if algo.loss_agg == "constant":
         rows = float(max(len(mini.prompts) * batch.traces_per_prompt, 1))
     elif algo.loss_agg == "seq-mean-token-mean":
-        rows = float(max(len(mini.batch), 1))
+        rows = float(max(int(mini.batch.sequences.sum()), 1))
     return LossSpec(algo.loss_agg, algo.clip_low, algo.clip_high, num_tokens=max(tokens, 1.0), num_rows=rows,
                     max_len=algo.loss_norm_length or batch.max_len, entropy_coef=algo.entropy_coef,
                     kl_coef=algo.kl_coef, kl_type=algo.kl_type)
@@ -50,7 +51,8 @@ def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: Trai
     mini-batch's micro-batches gives the mini-batch loss) and its statistics as token-weighted sums.
     `logprobs`, `entropy`, `ref_logprobs` are target-aligned like the batch's per-token tensors."""
     loss, st = policy_loss(logprobs, batch.old_logprobs.to(logprobs.dtype), batch.advantages.to(logprobs.dtype),
-                           batch.loss_mask, ref_logprobs=ref_logprobs, entropy=entropy, **spec.policy_loss_kwargs())
+                           batch.loss_mask, ref_logprobs=ref_logprobs, entropy=entropy, segments=batch.segments,
+                           **spec.policy_loss_kwargs())
     sums = {"loss": float(loss.detach()), "tokens": st["tokens"]}
     sums.update({k: st[k] * st["tokens"] for k in WEIGHTED_STATS if k in st})
     return loss, sums

@@ -5,6 +5,11 @@ optimizer per rank. (`anytime.learner.pipeline_learner.PipelineLearner` is the R
 `PipelineExecutor` (runtime.py) runs the schedule; this module owns what sits around it: building
 the stages, the per-microbatch policy loss on the last stage, the post-validated optimizer step,
 pipelined log-probs, and the weights under the full model's names (checkpoints, weight sync).
+
+Batches may carry tree-packed rows (`skip_start`/`skip_end`, see `anytime.attention`): every
+stage gets its microbatch's position ids and 4-D mask through the stage kwargs. The last stage
+turns its hidden states into log-probs in chunks of tokens (no full logits), at the trained
+tokens in training and at every column for `logprobs` (rows may be left-padded here).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS
+from anytime.attention import attention_inputs, has_branches
 from anytime.pipeline.runtime import PipelineExecutor
 from anytime.pipeline.schedule import Schedule
 
@@ -65,7 +72,8 @@ class PipelinedCausalLM:
                  dtype: torch.dtype | None = None, seed: int = 0, layers_per_stage: Sequence[int] | None = None,
                  offload_chunks: Iterable[int] = (), max_grad_norm: float | None = 1.0,
                  post_validate: bool = True, rollback: str = "auto", loss_kwargs: Mapping | None = None,
-                 temperature: float = 1.0, prefetch: int = 2, attn_implementation: str | None = None) -> None:
+                 temperature: float = 1.0, prefetch: int = 2, attn_implementation: str | None = None,
+                 logprob_chunk_tokens: int | None = None) -> None:
         from anytime.pipeline.partition import (
             build_stages,
             load_causal_lm,
@@ -86,6 +94,7 @@ class PipelinedCausalLM:
         self.schedule, self.group = schedule, group
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.temperature, self.loss_kwargs = temperature, dict(loss_kwargs or {})
+        self.chunk_tokens = logprob_chunk_tokens or DEFAULT_CHUNK_TOKENS
         full = load_causal_lm(model, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
         self.config = full.config
         self.tied = tied = tied_embeddings(full)
@@ -207,16 +216,46 @@ class PipelinedCausalLM:
             raise ValueError(f"batch has {rows} rows, not divisible by microbatches={m}; pad or resize the batch")
         mask = _field(batch, "attention_mask", required=False)
         pos = _field(batch, "position_ids", required=False)
+        spans = [_field(batch, name, required=False) for name in ("skip_start", "skip_end")]
+        packed = spans[0] is not None and spans[1] is not None and has_branches(spans[1])
         return {"ids": ids, "rows": rows, "length": length, "mb": rows // m,
                 "attention_mask": None if mask is None else mask.to(self.device),
-                "position_ids": None if pos is None else pos.to(self.device)}
+                "position_ids": None if pos is None else pos.to(self.device),
+                "skip": [t.to(self.device) for t in spans] if packed else None}
 
-    def _kwargs(self, b: dict):
+    def _kwargs(self, b: dict, last: Callable[[int], dict] | None = None) -> Callable[[int, int], dict]:
+        """Per (stage, microbatch): the attention inputs (a tree-packed microbatch's 4-D mask and
+        position ids are built once per microbatch and rank, dropped after its last stage here
+        used them) plus, for the last stage, `last(microbatch)`."""
+        built: dict[int, tuple[dict, int]] = {}
+        held = len(self.executor.stages)
+        final = self.schedule.stages - 1
+
+        def attention(j: int) -> dict:
+            r = slice(j * b["mb"], (j + 1) * b["mb"])
+            if b["skip"] is None:
+                return {"attention_mask": None if b["attention_mask"] is None else b["attention_mask"][r],
+                        "position_ids": None if b["position_ids"] is None else b["position_ids"][r]}
+            ids, mask = b["ids"][r], b["attention_mask"]
+            lengths = mask[r].sum(-1) if mask is not None and mask.dim() == 2 else torch.full((len(ids),), ids.shape[1])
+            return attention_inputs(ids, lengths, b["skip"][0][r], b["skip"][1][r], self.config, self.dtype)
+
         def stage_kwargs(stage: int, j: int) -> dict:
-            rows = slice(j * b["mb"], (j + 1) * b["mb"])
-            return {"attention_mask": None if b["attention_mask"] is None else b["attention_mask"][rows],
-                    "position_ids": None if b["position_ids"] is None else b["position_ids"][rows]}
+            kwargs, uses = built.pop(j, None) or (attention(j), 0)
+            if uses + 1 < held:
+                built[j] = (kwargs, uses + 1)
+            return {**kwargs, **(last(j) if last is not None and stage == final else {})}
         return stage_kwargs
+
+    def _head_kwargs(self, b: dict, select: torch.Tensor, with_entropy: bool = False) -> Callable[[int], dict]:
+        """The last stage's arguments for microbatch j: log-probs of `labels` at the `select` columns."""
+        labels = b["ids"][:, 1:]
+
+        def last(j: int) -> dict:
+            r = slice(j * b["mb"], (j + 1) * b["mb"])
+            return {"labels": labels[r], "select": select[r], "with_entropy": with_entropy,
+                    "chunk_tokens": self.chunk_tokens, "temperature": self.temperature}
+        return last
 
     def _boundary(self, b: dict) -> tuple[tuple[int, ...], torch.dtype]:
         return (b["mb"], b["length"], self.config.hidden_size), self.dtype
@@ -228,7 +267,6 @@ class PipelinedCausalLM:
         `entropy=True` also reports the mean token entropy (computed anyway when entropy_coef != 0);
         an optional `ref_logprobs` field of the batch feeds the KL term (kl_coef in loss_kwargs).
         """
-        from anytime.algo.logprobs import token_entropy, token_logprobs
         from anytime.algo.loss import policy_loss
 
         if self.validator.pending:
@@ -247,18 +285,20 @@ class PipelinedCausalLM:
                           else float(rows))
         kwargs.setdefault("num_tokens", float(loss_mask.sum()))
         with_entropy = entropy or kwargs.get("entropy_coef", 0.0) != 0.0
-        labels = b["ids"][:, 1:]
+        # the loss reads only the trained tokens: the last stage's LM head runs on those alone
+        last = self._head_kwargs(b, loss_mask > 0, with_entropy)
+        segments = None if b["skip"] is None else b["skip"][1][:, 1:]
 
-        def loss_fn(logits: torch.Tensor, j: int):
+        def loss_fn(out: torch.Tensor, j: int):
             r = slice(j * b["mb"], (j + 1) * b["mb"])
-            logits = logits[:, :-1]
-            lp = token_logprobs(logits, labels[r], self.temperature)
+            lp = out[..., 0]
             return policy_loss(lp, old[r].to(lp.dtype), adv[r].to(lp.dtype), loss_mask[r],
                                ref_logprobs=None if ref is None else ref[r].to(lp.dtype),
-                               entropy=token_entropy(logits) if with_entropy else None, **kwargs)
+                               entropy=out[..., 1] if with_entropy else None,
+                               segments=None if segments is None else segments[r], **kwargs)
 
         stats = self.executor.train_step(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], loss_fn,
-                                         self._boundary(b), stage_kwargs=self._kwargs(b))
+                                         self._boundary(b), stage_kwargs=self._kwargs(b, last))
         outputs = stats.outputs.values()
         tokens = sum(o["tokens"] for o in outputs)
         weighted = {k: sum(o.get(k, 0.0) * o["tokens"] for o in outputs) for k in _WEIGHTED}
@@ -303,19 +343,16 @@ class PipelinedCausalLM:
     def logprobs(self, batch, *, broadcast: bool = True) -> torch.Tensor | None:
         """log π(input_ids[:, t+1] | input_ids[:, :t+1]) as [R, T-1]; on every rank with `broadcast`,
         else only on the rank of the last stage (None elsewhere)."""
-        from anytime.algo.logprobs import token_logprobs
-
         if self.validator.pending:
             self.validate()
         b = self._prepare(batch)
-        labels = b["ids"][:, 1:]
+        every = torch.ones_like(b["ids"][:, 1:], dtype=torch.bool)  # padding too: rows may be left-padded
 
-        def output_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
-            r = slice(j * b["mb"], (j + 1) * b["mb"])
-            return token_logprobs(logits[:, :-1], labels[r], self.temperature)
+        def output_fn(out: torch.Tensor, j: int) -> torch.Tensor:
+            return out[..., 0]
 
         stats = self.executor.forward(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], output_fn,
-                                      self._boundary(b), stage_kwargs=self._kwargs(b))
+                                      self._boundary(b), stage_kwargs=self._kwargs(b, self._head_kwargs(b, every)))
         rank = dist.get_rank(self.group)
         out = torch.cat([stats.outputs[j] for j in range(self.schedule.microbatches)]) \
             if rank == self.last_rank else None

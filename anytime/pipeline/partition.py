@@ -14,7 +14,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, selected_logprobs
 
 SUPPORTED_HINT = "a decoder-only HF causal LM laid out like Qwen2/Llama (model.embed_tokens, model.layers, " \
                  "model.norm, model.rotary_emb, lm_head)"
@@ -76,7 +79,11 @@ class CausalLMStage(nn.Module):
     """One pipeline stage: [embedding] → decoder layers → [final norm → LM head].
 
     forward(x, attention_mask, position_ids): x is token ids on stage 0 and hidden states
-    elsewhere; returns hidden states, or logits on the last stage.
+    elsewhere; returns hidden states, or logits on the last stage. `attention_mask` is a 2-D
+    padding mask or a prepared 4-D one (tree-packed rows, `anytime.attention`). Given `labels`
+    (the targets of columns 0..T-2), the last stage returns their log-probs (and entropies) as
+    [rows, T-1, 1 or 2] instead of logits, computed in chunks of tokens at the columns `select`
+    (`anytime.algo.logprobs.selected_logprobs`), so the full logits never exist.
     """
 
     def __init__(self, config, stage: int, num_stages: int, layers: dict[int, nn.Module], *,
@@ -108,7 +115,9 @@ class CausalLMStage(nn.Module):
         return name if name.startswith("lm_head.") else f"model.{name}"
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                select: torch.Tensor | None = None, with_entropy: bool = False,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, temperature: float = 1.0) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         if len(self.layers):
             if position_ids is None:
@@ -120,9 +129,20 @@ class CausalLMStage(nn.Module):
                                position_ids=position_ids)
         if self.norm is not None:
             hidden = self.norm(hidden)
+        if self.lm_head is not None and labels is not None:
+            select = torch.ones_like(labels, dtype=torch.bool) if select is None else select
+            lp, entropy = selected_logprobs(hidden[:, :-1], self._head, labels, select, chunk_tokens=chunk_tokens,
+                                            temperature=temperature, with_entropy=with_entropy)
+            return lp.unsqueeze(-1) if entropy is None else torch.stack([lp, entropy], dim=-1)
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The plain GEMM, not the (Split)Linear module: the checkpointed chunks recompute it in the
+        # backward, outside the forward's WeightGradStore recording, so its weight gradient is
+        # computed right there instead of being deferred to a W action.
+        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     def _masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:

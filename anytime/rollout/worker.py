@@ -15,7 +15,8 @@ import torch
 from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
 from anytime.budget import anytime_score
 from anytime.config import Recipe
-from anytime.learner.batch import TrainBatch, build_train_batch
+from anytime.learner.batch import TrainBatch
+from anytime.learner.packing import build_train_batch
 from anytime.rollout.anytime import AnytimeRollout, AnytimeRolloutRunner, AnytimeSettings, _encode
 
 log = logging.getLogger(__name__)
@@ -119,10 +120,11 @@ class RolloutWorker:
         batch = build_train_batch(rollout, t_adv, s_adv, thinking_weight=r.algorithm.thinking_loss_weight,
                                   summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
                                   drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0,
-                                  pad_id=self.pad_id)
+                                  pad_id=self.pad_id, pack=r.learner.pack_summaries)
         batch = batch.reindexed(index, len(index) if num_prompts is None else num_prompts)
         timings["adv"] = time.perf_counter() - adv_start
-        sums = rollout_sums(rollout, t_adv, s_adv, len(batch))
+        # `train/rows` counts trained sequences (a thinking trace or a summary), whatever the layout
+        sums = rollout_sums(rollout, t_adv, s_adv, int(batch.sequences.sum()))
         sums["rollout_seconds"] = time.perf_counter() - start
         return batch, sums, timings
 

@@ -214,9 +214,9 @@ def test_recipe_checks_for_the_pipelined_learner():
     recipe = load_recipe(QUICKSTART, base + ["learner.pipeline.schedule=zb-v", "learner.pipeline.offload_chunks=[1]"])
     assert recipe.learner.pipeline.stages == 2
     bad = {
-        "learner.backend=deepspeed": "needs `learner.backend: torch`",
+        "learner.backend=deepspeed": "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2",
         "learner.pipeline.schedule=zb-h3": "must be one of 1f1b, .*zb-h1",
-        "learner.num_processes=4": "must equal `learner.pipeline.stages`",
+        "learner.num_processes=3": "must be a multiple of `learner.pipeline.stages`",
         "learner.pipeline.microbatches=1": "must be >= stages",
         "learner.pipeline.chunks=3": "chunks",
         "learner.pipeline.offload_chunks=[1]": r"chunk indices in 0\.\.0",
@@ -225,9 +225,14 @@ def test_recipe_checks_for_the_pipelined_learner():
     }
     for override, message in bad.items():
         extra = ["learner.reference_model=true"] if override.startswith("algorithm.kl_coef") else []
+        extra += ["learner.zero_stage=3"] if override.startswith("learner.backend") else []
         with pytest.raises(RecipeError, match=message):
             load_recipe(QUICKSTART, base + extra + [override])
-    assert load_recipe(QUICKSTART, base + ["learner.num_processes=2"]).learner.num_processes == 2
+    assert load_recipe(QUICKSTART, base + ["learner.num_processes=2"]).learner.processes == 2
+    assert load_recipe(QUICKSTART, base).learner.processes == 2  # 1 = one replica: a process per stage
+    mesh = load_recipe(QUICKSTART, base + ["learner.num_processes=4", "learner.backend=deepspeed",
+                                           "learner.zero_stage=1"]).learner
+    assert (mesh.processes, mesh.pipeline.stages, mesh.backend) == (4, 2, "deepspeed")  # 2 stages × 2 replicas
 
 
 @pytest.mark.distributed

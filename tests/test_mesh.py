@@ -2,6 +2,9 @@
 
 - the torch pipelined learner on the mesh: one RL update equals the unpipelined, single-process
   torch learner on all rows (fp64, <= 1e-10), checkpoint resume included;
+- DeepSpeed ZeRO-1 and ZeRO-2 per stage on zb-h1 and zb-v: the same update as the single-process
+  torch learner in fp32 (<= 1e-6); a NaN gradient on one rank skips the step on every rank;
+  resume is exact; `anytime export` of the mesh checkpoint passes its parity check.
 
 The replicas split the rows by prompt and the loss normaliser is global, so each equality also
 checks that the replicas' gradients are summed (not averaged) and clipped by the norm over the
@@ -10,6 +13,7 @@ whole mesh.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -26,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 WORLD, STAGES = 4, 2
 REPLICAS = WORLD // STAGES
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 
 # Each case: learner backend, ZeRO stage, schedule, microbatches, model, loss aggregation, clipping,
 # prompts per PPO mini-batch (3: one replica's share of the last mini-batch is empty).
@@ -35,6 +40,15 @@ TORCH_CASES = [
     {"id": "torch-zb-v-tied-clipped", "backend": "torch", "zero": 0, "schedule": "zb-v", "m": 2, "tied": True,
      "agg": "seq-mean-token-mean", "grad_clip": 1e-3, "prompts": 3, "epochs": 2},
 ]
+DS_CASES = [
+    {"id": f"zero{zero}-{schedule}", "backend": "deepspeed", "zero": zero, "schedule": schedule, "m": 2,
+     "tied": schedule == "zb-v", "agg": agg, "grad_clip": clip, "prompts": prompts, "epochs": 1}
+    for zero, schedule, agg, clip, prompts in [(1, "zb-h1", "token-mean", 1.0, 2), (2, "zb-h1", "constant", 1e-3, 3),
+                                               (1, "zb-v", "seq-mean-token-mean", 1e-3, 3),
+                                               (2, "zb-v", "token-mean", 1.0, 2)]
+]
+
+
 def _configs(case: dict) -> tuple[AlgorithmConfig, LearnerConfig]:
     algo = AlgorithmConfig(loss_agg=case["agg"], entropy_coef=0.01, clip_low=0.2, clip_high=0.28)
     cfg = LearnerConfig(backend=case["backend"], zero_stage=max(case["zero"], 1), lr=1e-3, weight_decay=0.1,
@@ -176,3 +190,72 @@ def test_torch_pipeline_on_a_mesh_equals_the_single_process_update(tmp_path):
     worst = _check_cases(tmp_path, dirs, TORCH_CASES, torch.float64, 1e-10)
     print("max |weights - reference| (fp64):", worst)
     _check_resume(tmp_path, TORCH_CASES[0])
+
+
+# -- DeepSpeed ZeRO-1/2 per stage, fp32 -----------------------------------------------------------
+
+def _ds_body(rank: int, out_dir: str, dirs: dict) -> None:
+    _run_cases(rank, out_dir, dirs, DS_CASES, torch.float32)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@needs_deepspeed
+@pytest.mark.timeout(300)
+def test_deepspeed_zero_on_a_mesh_equals_the_single_process_update(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_body, str(tmp_path), dirs), nprocs=WORLD)
+    worst = _check_cases(tmp_path, dirs, DS_CASES, torch.float32, 1e-6)
+    print("max |weights - reference| (fp32):", worst)
+    assert set(os.listdir("/dev/shm")) <= shm_before  # DeepSpeed's shared-memory op was not used
+
+
+def _ds_nan_and_resume_body(rank: int, out_dir: str, dirs: dict) -> None:
+    case = DS_CASES[1]
+    learner = _learner(case, dirs["untied"], torch.float32)
+    start = learner.model.full_state_dict(dst=None)
+    if rank == WORLD - 1:  # stage 1 of replica 1 only: its final-norm gradient turns NaN
+        learner.model.executor.stages[1].norm.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    lr = learner.optimizer.param_groups[0]["lr"]
+    _, stats = _update(learner, case)
+    moved = _max_diff(learner.model.full_state_dict(dst=None), start)
+    with open(os.path.join(out_dir, f"nan.rank{rank}.json"), "w") as f:
+        json.dump({"stats": stats, "moved": moved, "lr": [lr, learner.optimizer.param_groups[0]["lr"]]}, f)
+    _resume(rank, out_dir, dirs, case, torch.float32)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@needs_deepspeed
+@pytest.mark.timeout(300)
+def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tmp_path):
+    from safetensors.torch import load_file
+
+    from anytime.export import export_checkpoint, learner_state_dict
+
+    dirs = {"untied": _model_dir(tmp_path, False)}
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_nan_and_resume_body, str(tmp_path), dirs), nprocs=WORLD)
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"nan.rank{r}.json").read_text())
+        trained = 2  # mini-batches with rows: every one was skipped, on every rank
+        assert got["stats"]["skipped_updates"] == trained and "loss" not in got["stats"], (r, got)
+        assert got["moved"] == 0.0 and got["lr"][0] == got["lr"][1], (r, got)
+    _check_resume(tmp_path, DS_CASES[1])
+    step = Path(json.loads((tmp_path / f"resume-{DS_CASES[1]['id']}.rank0.json").read_text())["path"])
+    assert sorted(p.name for p in (step / "deepspeed").glob("mp_rank_*")) == [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    from anytime import synthetic
+    from anytime.tiny import _train_tokenizer
+
+    _train_tokenizer(synthetic.corpus(20), 300).save_pretrained(step / "model")  # the test model came without one
+    exported, diff = export_checkpoint(step, tmp_path / "hf")
+    assert diff <= 1e-5
+    consolidated = learner_state_dict(step)        # DeepSpeed's fp32 master weights, stage by stage
+    saved = load_file(str(step / "model" / "model.safetensors"))   # the learner's full model
+    assert set(consolidated) == set(saved)
+    assert all(torch.equal(consolidated[k], saved[k]) for k in saved)
+    out = load_file(str(exported / "model.safetensors"))
+    assert all(torch.equal(out[k], saved[k]) for k in out)

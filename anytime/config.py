@@ -114,7 +114,12 @@ class PipelineConfig:
     microbatches: int = 8               # per PPO mini-batch (its rows are padded to a multiple)
     chunks: int | None = None           # model chunks per rank (V / interleaved); None = the schedule's default
     offload_chunks: list[int] = field(default_factory=list)   # chunks whose activations go to host memory
-    post_validate: bool = True          # speculative optimizer step, clip/inf checked afterwards
+    # Speculative optimizer step, clip/inf checked afterwards (post-validation); null = the backend's
+    # default: on for torch, off (the blocking step) for DeepSpeed.
+    post_validate: bool | None = None
+
+    def post_validating(self, backend: str) -> bool:
+        return self.post_validate if self.post_validate is not None else backend == "torch"
 
 
 @dataclass

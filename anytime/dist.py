@@ -43,9 +43,9 @@ def init_from_env() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def collective_device() -> torch.device:
-    """Where tensors must live to take part in collectives of the default group (NCCL: the GPU)."""
-    if initialized() and dist.get_backend() == "nccl":
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors must live to take part in collectives of `group` (NCCL: the GPU)."""
+    if initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

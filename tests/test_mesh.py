@@ -2,9 +2,10 @@
 
 - the torch pipelined learner on the mesh: one RL update equals the unpipelined, single-process
   torch learner on all rows (fp64, <= 1e-10), checkpoint resume included;
-- DeepSpeed ZeRO-1 and ZeRO-2 per stage on zb-h1 and zb-v: the same update as the single-process
-  torch learner in fp32 (<= 1e-6); a NaN gradient on one rank skips the step on every rank;
-  resume is exact; `anytime export` of the mesh checkpoint passes its parity check.
+- DeepSpeed ZeRO-1 and ZeRO-2 per stage on zb-h1 and zb-v, with the blocking step and with
+  optimizer post-validation: the same update as the single-process torch learner in fp32
+  (<= 1e-6); a NaN gradient on one rank skips the step on every rank (both ways); resume is exact;
+  `anytime export` of the mesh checkpoint passes its parity check.
 
 The replicas split the rows by prompt and the loss normaliser is global, so each equality also
 checks that the replicas' gradients are summed (not averaged) and clipped by the norm over the
@@ -25,6 +26,8 @@ import torch.multiprocessing as mp
 
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig
 from test_pipeline_learner import _max_diff, _model_dir, _train_batch
+from test_pipeline_learner import _reference as pipeline_reference
+from test_pipeline_learner import first_step_equals_the_flat_one
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,12 +43,16 @@ TORCH_CASES = [
     {"id": "torch-zb-v-tied-clipped", "backend": "torch", "zero": 0, "schedule": "zb-v", "m": 2, "tied": True,
      "agg": "seq-mean-token-mean", "grad_clip": 1e-3, "prompts": 3, "epochs": 2},
 ]
+# The last two: optimizer post-validation on top of ZeRO (speculative step; with clipping at 1e-3
+# every step is rolled back and redone with the global clip coefficient).
 DS_CASES = [
-    {"id": f"zero{zero}-{schedule}", "backend": "deepspeed", "zero": zero, "schedule": schedule, "m": 2,
-     "tied": schedule == "zb-v", "agg": agg, "grad_clip": clip, "prompts": prompts, "epochs": 1}
-    for zero, schedule, agg, clip, prompts in [(1, "zb-h1", "token-mean", 1.0, 2), (2, "zb-h1", "constant", 1e-3, 3),
-                                               (1, "zb-v", "seq-mean-token-mean", 1e-3, 3),
-                                               (2, "zb-v", "token-mean", 1.0, 2)]
+    {"id": f"zero{zero}-{schedule}{'-postvalidated' if post else ''}", "backend": "deepspeed", "zero": zero,
+     "schedule": schedule, "m": 2, "tied": schedule == "zb-v", "agg": agg, "grad_clip": clip, "prompts": prompts,
+     "epochs": 1, "post_validate": post}
+    for zero, schedule, agg, clip, prompts, post in [
+        (1, "zb-h1", "token-mean", 1.0, 2, False), (2, "zb-h1", "constant", 1e-3, 3, False),
+        (1, "zb-v", "seq-mean-token-mean", 1e-3, 3, False), (2, "zb-v", "token-mean", 1.0, 2, False),
+        (2, "zb-h1", "token-mean", 1e-3, 2, True), (1, "zb-v", "constant", 1.0, 3, True)]
 ]
 
 
@@ -54,25 +61,14 @@ def _configs(case: dict) -> tuple[AlgorithmConfig, LearnerConfig]:
     cfg = LearnerConfig(backend=case["backend"], zero_stage=max(case["zero"], 1), lr=1e-3, weight_decay=0.1,
                         grad_clip=case["grad_clip"], ppo_epochs=case["epochs"], mini_batch_prompts=case["prompts"],
                         micro_batch_tokens=10**6, lr_schedule="cosine", warmup_steps=1, num_processes=WORLD,
-                        pipeline=PipelineConfig(stages=STAGES, schedule=case["schedule"], microbatches=case["m"]))
+                        pipeline=PipelineConfig(stages=STAGES, schedule=case["schedule"], microbatches=case["m"],
+                                                post_validate=case.get("post_validate")))
     return algo, cfg
 
 
 def _reference(model_dir: str, case: dict, dtype: torch.dtype) -> dict:
     """The unpipelined RL update of every row on one process (plain torch AdamW)."""
-    from transformers import AutoModelForCausalLM
-
-    from anytime.learner.data_parallel import TorchLearner
-    from anytime.learner.ppo import ppo_update
-
-    algo, cfg = _configs(case)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    learner = TorchLearner(model, cfg, total_steps=10)
-    batch = _train_batch()
-    batch.old_logprobs = learner.logprobs(batch)
-    stats = ppo_update(learner, batch, algo, cfg)
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "stats": stats,
-            "old_logprobs": batch.old_logprobs}
+    return pipeline_reference(model_dir, case, dtype, configs=_configs)
 
 
 def _learner(case: dict, model_dir: str, dtype: torch.dtype):
@@ -194,8 +190,8 @@ def test_torch_pipeline_on_a_mesh_equals_the_single_process_update(tmp_path):
 
 # -- DeepSpeed ZeRO-1/2 per stage, fp32 -----------------------------------------------------------
 
-def _ds_body(rank: int, out_dir: str, dirs: dict) -> None:
-    _run_cases(rank, out_dir, dirs, DS_CASES, torch.float32)
+def _ds_body(rank: int, out_dir: str, dirs: dict, cases: list[dict]) -> None:
+    _run_cases(rank, out_dir, dirs, cases, torch.float32)
 
 
 @pytest.mark.distributed
@@ -203,27 +199,29 @@ def _ds_body(rank: int, out_dir: str, dirs: dict) -> None:
 @pytest.mark.deepspeed
 @needs_deepspeed
 @pytest.mark.timeout(300)
-def test_deepspeed_zero_on_a_mesh_equals_the_single_process_update(tmp_path):
+@pytest.mark.parametrize("step", ["blocking", "post-validated"])
+def test_deepspeed_zero_on_a_mesh_equals_the_single_process_update(tmp_path, step):
+    cases = [c for c in DS_CASES if c["post_validate"] == (step == "post-validated")]
     shm_before = set(os.listdir("/dev/shm"))
     dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
-    mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_body, str(tmp_path), dirs), nprocs=WORLD)
-    worst = _check_cases(tmp_path, dirs, DS_CASES, torch.float32, 1e-6)
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_body, str(tmp_path), dirs, cases), nprocs=WORLD)
+    worst = _check_cases(tmp_path, dirs, cases, torch.float32, 1e-6)
     print("max |weights - reference| (fp32):", worst)
     assert set(os.listdir("/dev/shm")) <= shm_before  # DeepSpeed's shared-memory op was not used
 
 
 def _ds_nan_and_resume_body(rank: int, out_dir: str, dirs: dict) -> None:
-    case = DS_CASES[1]
-    learner = _learner(case, dirs["untied"], torch.float32)
-    start = learner.model.full_state_dict(dst=None)
-    if rank == WORLD - 1:  # stage 1 of replica 1 only: its final-norm gradient turns NaN
-        learner.model.executor.stages[1].norm.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-    lr = learner.optimizer.param_groups[0]["lr"]
-    _, stats = _update(learner, case)
-    moved = _max_diff(learner.model.full_state_dict(dst=None), start)
-    with open(os.path.join(out_dir, f"nan.rank{rank}.json"), "w") as f:
-        json.dump({"stats": stats, "moved": moved, "lr": [lr, learner.optimizer.param_groups[0]["lr"]]}, f)
-    _resume(rank, out_dir, dirs, case, torch.float32)
+    for case in (DS_CASES[1], DS_CASES[4]):  # the blocking step, then post-validation (a rollback)
+        learner = _learner(case, dirs["untied"], torch.float32)
+        start = learner.model.full_state_dict(dst=None)
+        if rank == WORLD - 1:  # stage 1 of replica 1 only: its final-norm gradient turns NaN
+            learner.model.executor.stages[1].norm.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+        lr = learner.optimizer.param_groups[0]["lr"]
+        _, stats = _update(learner, case)
+        moved = _max_diff(learner.model.full_state_dict(dst=None), start)
+        with open(os.path.join(out_dir, f"nan-{case['id']}.rank{rank}.json"), "w") as f:
+            json.dump({"stats": stats, "moved": moved, "lr": [lr, learner.optimizer.param_groups[0]["lr"]]}, f)
+    _resume(rank, out_dir, dirs, DS_CASES[1], torch.float32)
 
 
 @pytest.mark.distributed
@@ -238,11 +236,12 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
 
     dirs = {"untied": _model_dir(tmp_path, False)}
     mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_nan_and_resume_body, str(tmp_path), dirs), nprocs=WORLD)
-    for r in range(WORLD):
-        got = json.loads((tmp_path / f"nan.rank{r}.json").read_text())
-        trained = 2  # mini-batches with rows: every one was skipped, on every rank
-        assert got["stats"]["skipped_updates"] == trained and "loss" not in got["stats"], (r, got)
-        assert got["moved"] == 0.0 and got["lr"][0] == got["lr"][1], (r, got)
+    for case, tol in ((DS_CASES[1], 0.0), (DS_CASES[4], 1e-6)):  # a rolled-back step: AdamW's inverse, in fp32
+        for r in range(WORLD):
+            got = json.loads((tmp_path / f"nan-{case['id']}.rank{r}.json").read_text())
+            trained = 2  # mini-batches with rows: every one was skipped, on every rank
+            assert got["stats"]["skipped_updates"] == trained and "loss" not in got["stats"], (case["id"], r, got)
+            assert got["moved"] <= tol and got["lr"][0] == got["lr"][1], (case["id"], r, got)
     _check_resume(tmp_path, DS_CASES[1])
     step = Path(json.loads((tmp_path / f"resume-{DS_CASES[1]['id']}.rank0.json").read_text())["path"])
     assert sorted(p.name for p in (step / "deepspeed").glob("mp_rank_*")) == [
@@ -259,3 +258,34 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
     assert all(torch.equal(consolidated[k], saved[k]) for k in saved)
     out = load_file(str(exported / "model.safetensors"))
     assert all(torch.equal(out[k], saved[k]) for k in out)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@needs_deepspeed
+@pytest.mark.timeout(600)
+def test_anytime_train_with_deepspeed_on_a_two_by_two_mesh(tmp_path):
+    """`anytime train` itself: 4 processes = 2 stages × 2 replicas, DeepSpeed ZeRO-1 per stage; its first
+    update equals the single-process torch learner's on the same rollout (float32 rounding)."""
+    from test_trainer import QUICKSTART, read_metrics, tiny_overrides
+
+    from anytime.learner import checkpoint as ckpt
+    from anytime.learner.launch import launch_train
+
+    shm_before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "run"
+    mesh = ["learner.backend=deepspeed", "learner.zero_stage=1", "learner.pipeline.stages=2",
+            "learner.num_processes=4", "learner.pipeline.microbatches=2", "model.dtype=float32"]
+    assert launch_train(QUICKSTART, tiny_overrides(out, steps=2) + mesh) == 0
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["update/grad_norm"] > 0 and m["update/skipped_updates"] == 0.0
+        assert m["train/logprob_mismatch"] < 1e-3  # the mesh's log-probs agree with the engine's
+    step = ckpt.list_checkpoints(out / "checkpoints")[-1]
+    names = sorted(p.name for p in (step / "deepspeed").glob("*.pt"))
+    assert names == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"] + [
+        f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)]
+    first_step_equals_the_flat_one(tmp_path, metrics)
+    assert set(os.listdir("/dev/shm")) <= shm_before

@@ -50,12 +50,16 @@ def _without_shared_memory_op() -> None:
 
 
 def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], cfg: LearnerConfig,
-                      total_steps: int, *, zero_stage: int, mpu: Any = None) -> tuple[Any, Any, Any]:
+                      total_steps: int, *, zero_stage: int, mpu: Any = None,
+                      optimizer: torch.optim.Optimizer | None = None,
+                      grad_clip: float | None = None) -> tuple[Any, Any, Any]:
     """(engine, optimizer, LR scheduler) of a DeepSpeed ZeRO engine over `module`'s `params`.
 
     Each data-parallel rank's loss is its share of the mini-batch loss (the normaliser is global),
     so the engine *sums* the ranks' gradients (`gradient_allreduce_op: sum`); DeepSpeed does not
     offer that under ZeRO-3, where `loss_multiplier` returns the factor to scale the loss by instead.
+    `optimizer` replaces DeepSpeed's own AdamW (ZeRO then runs it on its fp32 partitions), and
+    `grad_clip` the recipe's clipping threshold (0 = DeepSpeed does not clip).
     """
     import deepspeed
 
@@ -67,7 +71,7 @@ def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Paramet
     ds_config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip,
+        "gradient_clipping": cfg.grad_clip if grad_clip is None else grad_clip,
         "gradient_allreduce_op": "sum" if zero_stage < 3 else "mean",
         "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": cfg.bf16},
@@ -77,12 +81,14 @@ def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Paramet
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if optimizer is not None:
+        del ds_config["optimizer"]
     schedule = lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
     # DeepSpeed builds the scheduler on its base optimizer, steps it and checkpoints it itself.
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, model_parameters=list(params), config=ds_config, mpu=mpu,
+    engine, ds_optimizer, _, scheduler = deepspeed.initialize(
+        model=module, model_parameters=list(params), config=ds_config, mpu=mpu, optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
-    return engine, optimizer, scheduler
+    return engine, ds_optimizer, scheduler
 
 
 def loss_multiplier(zero_stage: int, dp_size: int) -> float:

@@ -5,7 +5,9 @@ data-parallel group is the stage's D replicas (`anytime.pipeline.deepspeed_stage
 
 DeepSpeed owns the optimizer (fp32 master weights, bf16 on the GPU with `learner.bf16`), the
 gradient clipping by the norm over the whole mesh, the skip of steps with non-finite gradients on
-every rank, the LR schedule and the checkpoint (one shared folder, a shard per rank).
+every rank, the LR schedule and the checkpoint (one shared folder, a shard per rank). With
+`learner.pipeline.post_validate: true` each stage steps at once and the clip / skip is checked
+afterwards, rolled back where needed (`SpeculativeZeroStep`); the blocking step is the default.
 """
 
 from __future__ import annotations
@@ -22,12 +24,9 @@ class DeepSpeedPipelineLearner(PipelineLearner):
     def _build_model(self, model: Any, total_steps: int, **kwargs: Any):
         from anytime.pipeline.deepspeed_stage import DeepSpeedPipelinedCausalLM
 
-        cfg, p, m = self.cfg, self.cfg.pipeline, self.mesh
-        built = DeepSpeedPipelinedCausalLM(
-            model, p.schedule, microbatches=p.microbatches, chunks=p.chunks, offload_chunks=p.offload_chunks,
-            max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, group=m.pp_group,
-            reverse_group=m.pp_reverse_group,
-            deepspeed={"cfg": cfg, "total_steps": total_steps, "dp_group": m.dp_group}, **kwargs)
+        ds = {"cfg": self.cfg, "total_steps": total_steps, "dp_group": self.mesh.dp_group}
+        built = DeepSpeedPipelinedCausalLM(model, self.cfg.pipeline.schedule, deepspeed=ds, **self._model_kwargs(),
+                                           **kwargs)
         self.scheduler = built.scheduler
         return built
 

@@ -42,22 +42,23 @@ class PipelineLearner:
     def _build_model(self, model: Any, total_steps: int, **kwargs: Any):
         from anytime.pipeline.causal_lm import PipelinedCausalLM
 
-        cfg, p = self.cfg, self.cfg.pipeline
+        cfg, m = self.cfg, self.mesh
 
         def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
-        built = PipelinedCausalLM(
-            model, p.schedule, microbatches=p.microbatches, chunks=p.chunks, optimizer_factory=adamw,
-            offload_chunks=p.offload_chunks, max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None,
-            post_validate=p.post_validate, **self._mesh_groups(), **kwargs)
+        built = PipelinedCausalLM(model, cfg.pipeline.schedule, optimizer_factory=adamw,
+                                  dp_group=m.dp_group if m.replicas > 1 else None, **self._model_kwargs(), **kwargs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             built.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
         return built
 
-    def _mesh_groups(self) -> dict[str, Any]:
-        m = self.mesh
-        return {"group": m.pp_group, "dp_group": m.dp_group if m.replicas > 1 else None,
+    def _model_kwargs(self) -> dict[str, Any]:
+        """`PipelinedCausalLM` arguments from the recipe and the mesh, whatever steps the stages."""
+        cfg, p, m = self.cfg, self.cfg.pipeline, self.mesh
+        return {"microbatches": p.microbatches, "chunks": p.chunks, "offload_chunks": p.offload_chunks,
+                "max_grad_norm": cfg.grad_clip if cfg.grad_clip > 0 else None,
+                "post_validate": p.post_validating(cfg.backend), "group": m.pp_group,
                 "reverse_group": m.pp_reverse_group}
 
     def _tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:

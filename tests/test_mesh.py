@@ -221,7 +221,31 @@ def _ds_nan_and_resume_body(rank: int, out_dir: str, dirs: dict) -> None:
         moved = _max_diff(learner.model.full_state_dict(dst=None), start)
         with open(os.path.join(out_dir, f"nan-{case['id']}.rank{rank}.json"), "w") as f:
             json.dump({"stats": stats, "moved": moved, "lr": [lr, learner.optimizer.param_groups[0]["lr"]]}, f)
+    _dropped_gradient(rank, out_dir, dirs, DS_CASES[1])
     _resume(rank, out_dir, dirs, DS_CASES[1], torch.float32)
+
+
+def _dropped_gradient(rank: int, out_dir: str, dirs: dict, case: dict) -> None:
+    """The PPO loop drops a mini-batch whose loss is non-finite with `zero_grad()` after its
+    schedule (and ZeRO's reduction) ran: the next step must equal a step without it."""
+    from anytime.learner.ppo import loss_spec
+
+    algo, _ = _configs(case)
+    weights = []
+    for drop_first in (False, True):
+        learner = _learner(case, dirs["untied"], torch.float32)
+        batch = _train_batch().shard(learner.mesh.replica, learner.dp_size)
+        batch.old_logprobs = learner.logprobs(batch)
+        mini = next(iter(batch.mini_batches(len(batch.tokens_per_prompt), learner.mesh.replica, learner.dp_size)))
+        spec = loss_spec(algo, mini, batch, learner.dp_ranks)
+        if drop_first:
+            learner.forward_backward(mini.batch, spec)
+            learner.zero_grad()
+        learner.forward_backward(mini.batch, spec)
+        learner.optimizer_step()
+        weights.append(learner.model.full_state_dict(dst=None))
+    with open(os.path.join(out_dir, f"dropped.rank{rank}.json"), "w") as f:
+        json.dump({"diff": _max_diff(*weights)}, f)
 
 
 @pytest.mark.distributed
@@ -230,6 +254,7 @@ def _ds_nan_and_resume_body(rank: int, out_dir: str, dirs: dict) -> None:
 @needs_deepspeed
 @pytest.mark.timeout(300)
 def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tmp_path):
+    """Also: a mini-batch dropped after its schedule ran leaves no trace in ZeRO's gradients."""
     from safetensors.torch import load_file
 
     from anytime.export import export_checkpoint, learner_state_dict
@@ -242,6 +267,8 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
             trained = 2  # mini-batches with rows: every one was skipped, on every rank
             assert got["stats"]["skipped_updates"] == trained and "loss" not in got["stats"], (case["id"], r, got)
             assert got["moved"] <= tol and got["lr"][0] == got["lr"][1], (case["id"], r, got)
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"dropped.rank{r}.json").read_text())["diff"] == 0.0
     _check_resume(tmp_path, DS_CASES[1])
     step = Path(json.loads((tmp_path / f"resume-{DS_CASES[1]['id']}.rank0.json").read_text())["path"])
     assert sorted(p.name for p in (step / "deepspeed").glob("mp_rank_*")) == [

@@ -28,6 +28,7 @@ float64 stay on the torch pipeline.
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -282,8 +283,6 @@ class DeepSpeedPipelinedCausalLM(PipelinedCausalLM):
 
 def mesh_stage_files(ds_dir: Path) -> dict[int, list[Path]]:
     """The files of a DeepSpeed checkpoint folder, by model-parallel rank (= pipeline stage rank)."""
-    import re
-
     stages: dict[int, list[Path]] = {}
     for f in ds_dir.glob("*.pt"):
         m = re.search(r"mp_rank_(\d+)", f.name)

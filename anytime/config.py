@@ -127,13 +127,18 @@ class PipelineConfig:
     microbatches: int = 8               # per PPO mini-batch (its rows are padded to a multiple)
     chunks: int | None = None           # model chunks per rank (V / interleaved); None = the schedule's default
     offload_chunks: list[int] = field(default_factory=list)   # chunks whose activations go to host memory
-    post_validate: bool = True          # speculative optimizer step, clip/inf checked afterwards
+    # Speculative optimizer step, clip/inf checked afterwards (post-validation); null = the backend's
+    # default: on for torch, off (the blocking step) for DeepSpeed.
+    post_validate: bool | None = None
+
+    def post_validating(self, backend: str) -> bool:
+        return self.post_validate if self.post_validate is not None else backend == "torch"
 
 
 @dataclass
 class LearnerConfig:
     backend: Literal["torch", "deepspeed"] = "torch"
-    num_processes: int = 1
+    num_processes: int = 1              # learner processes; with a pipeline: stages × data-parallel replicas
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -150,6 +155,11 @@ class LearnerConfig:
     reference_model: bool = False       # needed only with algorithm.kl_coef > 0
     deterministic: bool = False
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    @property
+    def processes(self) -> int:
+        """Learner processes to start: `num_processes`, or one per stage when it is left at 1."""
+        return self.pipeline.stages if self.num_processes == 1 else self.num_processes
 
 
 @dataclass
@@ -433,18 +443,20 @@ def validate(r: Recipe) -> None:
 
 
 def _validate_pipeline(r: Recipe) -> None:
-    """`learner.pipeline.stages > 1`: a pipelined torch learner, one process per stage."""
+    """`learner.pipeline.stages > 1`: a pipelined learner on P stages × D data-parallel replicas
+    (`learner.num_processes` = P·D; 1 means one replica), torch or DeepSpeed ZeRO-1/2 per stage."""
     from anytime.pipeline.schedule import SCHEDULE_NAMES, build_schedule
 
-    p = r.learner.pipeline
+    p, lc = r.learner.pipeline, r.learner
     if p.stages == 1:
         return
-    _require(r.learner.backend == "torch",
-             f"`learner.pipeline.stages` > 1 needs `learner.backend: torch` (got {r.learner.backend!r}); the "
-             "pipeline holds one PyTorch optimizer per stage")
-    _require(r.learner.num_processes in (1, p.stages),
-             f"`learner.num_processes` ({r.learner.num_processes}) must equal `learner.pipeline.stages` "
-             f"({p.stages}) or be left at 1: a pipelined learner runs one process per stage")
+    _require(lc.num_processes == 1 or lc.num_processes % p.stages == 0,
+             f"`learner.num_processes` ({lc.num_processes}) must be a multiple of `learner.pipeline.stages` "
+             f"({p.stages}): the learner runs stages × data-parallel replicas processes (e.g. "
+             f"learner.num_processes={2 * p.stages} for 2 replicas), or leave it at 1 for one replica")
+    _require(lc.backend == "torch" or lc.zero_stage in (1, 2),
+             f"`learner.zero_stage` is {lc.zero_stage}, but DeepSpeed on the pipeline (`learner.pipeline.stages` > 1) "
+             "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2 (or learner.pipeline.stages=1 for ZeRO-3)")
     _require(p.schedule in SCHEDULE_NAMES,
              f"`learner.pipeline.schedule` must be one of {', '.join(SCHEDULE_NAMES)}, got {p.schedule!r}")
     _require(p.microbatches >= p.stages,

@@ -8,7 +8,7 @@ calls them unconditionally.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,9 +43,9 @@ def init_from_env() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def collective_device() -> torch.device:
-    """Where tensors must live to take part in collectives of the default group (NCCL: the GPU)."""
-    if initialized() and dist.get_backend() == "nccl":
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors must live to take part in collectives of `group` (NCCL: the GPU)."""
+    if initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -77,6 +77,27 @@ def max_across_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
 
 def any_across_ranks(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     return max_across_ranks(int(flag), group) > 0
+
+
+def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Sum the gradients of `params` over `group` in place, one message per dtype and device.
+
+    The loss normaliser is global (see `anytime.learner.ppo.loss_spec`): each data-parallel
+    replica's gradient is its share of the mini-batch gradient, so shares are summed, not averaged.
+    Parameters without a gradient are left out; every rank must hold gradients for the same ones
+    (replicas run the same passes, so they do).
+    """
+    if rank_world(group)[1] == 1:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in by_kind.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def scatter_tensors(shares: Sequence[Mapping[str, torch.Tensor]] | None, src: int = 0) -> dict[str, torch.Tensor]:

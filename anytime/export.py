@@ -3,7 +3,8 @@
 `anytime export CKPT --out DIR [--force]` writes safetensors weights, config, tokenizer (with its
 chat template) and a generation config that `AutoModelForCausalLM.from_pretrained` and vLLM load.
 CKPT may be a learner checkpoint (`step_N/`, whose `model/` holds the full weights), a DeepSpeed
-ZeRO checkpoint folder (shards are consolidated with DeepSpeed's own zero_to_fp32), or a plain
+ZeRO checkpoint folder (shards are consolidated with DeepSpeed's own zero_to_fp32, stage by stage
+for a pipeline mesh), or a plain
 Hugging Face folder. Afterwards the learner's weights and the exported folder are compared on a
 fixed batch and the max abs log-prob difference is printed.
 """
@@ -43,8 +44,11 @@ def learner_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         from anytime.learner.checkpoint import check_deepspeed_files
+        from anytime.pipeline.deepspeed_stage import consolidate_checkpoint, mesh_stage_files
 
         check_deepspeed_files(ds_dir)  # DeepSpeed's reader unpickles: refuse files that would run code
+        if len(mesh_stage_files(ds_dir)) > 1:  # a pipeline mesh: one model-parallel rank per stage
+            return consolidate_checkpoint(ds_dir)
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
     from safetensors.torch import load_file
 

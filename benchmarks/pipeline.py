@@ -1,16 +1,22 @@
-"""Pipeline runtime benchmark: 2 gloo ranks on CPU, one thread each, a stack of Linear+GELU blocks
+"""Pipeline runtime benchmark: gloo ranks on CPU, one thread each, a stack of Linear+GELU blocks
 (F, I and W are one GEMM each, so their costs are alike), m microbatches.
 
 Prints `name: value` lines:
 - split backward cost on one stage: F, fused B, our I and W (SplitLinear), PyTorch's graph-surgery
   I and W, and `split_overhead` = (I + W) / fused B for both (median of per-repetition ratios);
 - step time (median of paired rounds) of our 1f1b, zb-h1, zb-v and of PyTorch's Schedule1F1B and
-  ScheduleZBVZeroBubble on the same model; `zb_h1_over_1f1b` etc. (median of per-round ratios);
+  ScheduleZBVZeroBubble on the same model; `zb_h1_over_1f1b` etc. (median of per-round ratios), on
+  2 ranks and again on 4 (keys ending `_p4`; 4 single-thread ranks on a 2-core machine share cores,
+  so the 4-rank figures measure contention as much as bubbles);
 - per rank, the measured idle fraction of each of our schedules next to `simulate()`'s prediction
   from the measured per-action costs, and the peak saved-activation bytes next to the prediction
-  (simulator's M_B model, and an exact replay of the measured per-stage deltas).
+  (simulator's M_B model, and an exact replay of the measured per-stage deltas);
+- `ds_over_torch_step`: a whole training step (schedule + clip by the global norm + AdamW) with a
+  DeepSpeed ZeRO engine per stage over the same schedule and model, divided by the same step with
+  plain PyTorch AdamW (median of paired rounds, 2 ranks), and `ds_vs_torch_weight_maxdiff` after
+  one step of each from the same weights.
 
-Run: python benchmarks/pipeline.py [--rounds 11] [--microbatches 8]  (numbers are noisy on a shared machine)
+Run: python benchmarks/pipeline.py [--rounds 11] [--microbatches 8] [--ranks 2,4]  (noisy on a shared machine)
 """
 
 from __future__ import annotations
@@ -149,8 +155,10 @@ class _Runner:
         if name == "torch-1f1b":
             if self.rank == 0:
                 self.torch_1f1b.step(self.x)
-            else:
+            elif self.rank == self.world - 1:
                 self.torch_1f1b.step(target=self.target)
+            else:
+                self.torch_1f1b.step()
         else:  # rank 0 holds the first and the last stage in the V placement
             if self.rank == 0:
                 self.torch_zbv.step(self.x, target=self.target)
@@ -301,6 +309,87 @@ def _step_worker(rank: int, world: int, init_file: str, args, queue) -> None:
     dist.destroy_process_group()
 
 
+# -- DeepSpeed vs plain AdamW on the same schedule ------------------------------------------------
+
+def _ds_worker(rank: int, world: int, init_file: str, args, queue) -> None:
+    """One executor per variant over the same stages and weights: `torch` steps PyTorch AdamW after a
+    blocking global-norm clip (`PostValidator` disabled), `deepspeed` a ZeRO engine per stage (its
+    mpu makes the clip norm global too). Paired rounds, median ratio."""
+    from anytime.config import LearnerConfig
+    from anytime.learner.deepspeed_learner import initialize_engine
+    from anytime.learner.mesh import build_mesh
+    from anytime.pipeline.deepspeed_stage import MeshMPU
+    from anytime.pipeline.postvalidate import PostValidator
+    from anytime.pipeline.runtime import PipelineExecutor
+    from anytime.pipeline.schedule import build_schedule
+
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed expects a launcher's variables
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = build_mesh(world)  # every rank a stage, one replica
+    m, a = args.microbatches, args
+    sched = build_schedule(args.ds_schedule, world, m)
+    mine = [s for s, r in enumerate(sched.placement) if r == rank]
+    cfg = LearnerConfig(backend="deepspeed", lr=1e-4, weight_decay=0.0, grad_clip=1.0, zero_stage=args.ds_zero_stage)
+    x = torch.randn(m * a.rows, a.hidden, generator=torch.Generator().manual_seed(1))
+    steps, modules = {}, {}
+    for name in ("torch", "deepspeed"):
+        stages = _stages(args, mine, sched.stages)
+        executor = PipelineExecutor(stages, sched, group=mesh.pp_group, prefetch=args.prefetch)
+        module = nn.ModuleDict({str(s): mod for s, mod in stages.items()})
+        params = list(module.parameters())
+        modules[name] = module
+
+        def run(executor=executor) -> None:
+            executor.train_step(lambda j: x[j * a.rows:(j + 1) * a.rows], lambda out, j: out.pow(2).mean(),
+                                ((a.rows, a.hidden), torch.float32), loss_scale=1.0 / m)
+        if name == "torch":
+            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            validator = PostValidator(opt, params, max_grad_norm=cfg.grad_clip, group=mesh.pp_group, enabled=False)
+
+            def step(run=run, validator=validator) -> None:
+                run()
+                validator.step()
+        else:
+            engine, _, _ = initialize_engine(module, params, cfg, 10**6, zero_stage=cfg.zero_stage,
+                                             mpu=MeshMPU(mesh.pp_group, mesh.dp_group))
+
+            def step(run=run, engine=engine) -> None:
+                with engine.coalesce_grad_reduction():
+                    run()
+                engine.step()
+        steps[name] = step
+    for name in steps:  # one step each from the same weights: the same update
+        steps[name]()
+    diff = max(float((p - q).abs().max()) for p, q in zip(modules["torch"].parameters(),
+                                                          modules["deepspeed"].parameters()))
+    times: dict[str, list[float]] = defaultdict(list)
+    for rnd in range(args.warmup + args.rounds):
+        for name in (("torch", "deepspeed") if rnd % 2 else ("deepspeed", "torch")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name]()
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if rnd >= args.warmup:
+                times[name].append(float(t))
+    diff_t = torch.tensor([diff])
+    dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put({"ds_vs_torch_weight_maxdiff": float(diff_t), "step_ms_torch_adamw": 1e3 * _median(times["torch"]),
+                   "step_ms_deepspeed": 1e3 * _median(times["deepspeed"]),
+                   "ds_over_torch_step": _median([d / t for d, t in zip(times["deepspeed"], times["torch"])])})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(worker, ranks: int, args, queue) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(ranks, os.path.join(tmp, "store"), args, queue), nprocs=ranks,
+                           start_method="spawn")
+    return queue.get()
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -312,9 +401,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--split-reps", type=int, default=40)
     parser.add_argument("--prefetch", type=int, default=2, help="actions ahead to post receives")
     parser.add_argument("--no-malloc-tuning", action="store_true")
+    parser.add_argument("--ranks", default="2,4", help="pipeline ranks of the schedule comparison (2 first)")
+    parser.add_argument("--ds-schedule", default="zb-h1", help="schedule of the DeepSpeed-vs-AdamW comparison")
+    parser.add_argument("--ds-zero-stage", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed-vs-AdamW comparison")
     args = parser.parse_args(argv)
-    if args.layers % 4:
-        parser.error("--layers must be a multiple of 4 (2 stages for 1f1b/zb-h1, 4 chunks for zb-v)")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if ranks[0] != 2 or any(args.layers % (2 * r) for r in ranks):
+        parser.error("--ranks must start with 2, and --layers be a multiple of 2 × every rank count "
+                     "(zb-v holds two chunks per rank)")
     if not args.no_malloc_tuning:
         os.environ["GLIBC_TUNABLES"] = MALLOC_TUNING  # read by the spawned processes at start
     ctx = mp.get_context("spawn")
@@ -325,15 +420,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     results.update({f"stage_{k}_ms": 1e3 * v for k, v in split.items() if "ratio" not in k})
     results["split_overhead"] = split["ratio"]
     results["torch_split_overhead"] = split["torch_ratio"]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_step_worker, args=(2, os.path.join(tmp, "store"), args, queue), nprocs=2,
-                           start_method="spawn")
-    results.update(queue.get())
-    # Ideal: the whole model's work split evenly over 2 ranks with no bubble (one stage = half the model).
-    results["ideal_step_ms"] = 1e3 * args.microbatches * (split["F"] + split["B"])
-    for name in OURS + THEIRS:
-        key = name.replace("-", "_")
-        results[f"{key}_over_ideal"] = results[f"step_ms_{key}"] / results["ideal_step_ms"]
+    # Ideal: the whole model's work split evenly over the ranks with no bubble (one stage of the
+    # split benchmark = half the model).
+    for world in ranks:
+        suffix = "" if world == 2 else f"_p{world}"
+        measured = _spawn(_step_worker, world, args, queue)
+        results.update({f"{k}{suffix}": v for k, v in measured.items()})
+        results[f"ideal_step_ms{suffix}"] = ideal = 1e3 * args.microbatches * (split["F"] + split["B"]) * 2 / world
+        for name in OURS + THEIRS:
+            key = name.replace("-", "_")
+            results[f"{key}_over_ideal{suffix}"] = results[f"step_ms_{key}{suffix}"] / ideal
+    if not args.no_deepspeed:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is not None:
+            results.update(_spawn(_ds_worker, 2, args, queue))
     for k, v in results.items():
         print(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
     return results

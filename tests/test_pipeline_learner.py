@@ -91,15 +91,16 @@ def _configs(case: dict) -> tuple[AlgorithmConfig, LearnerConfig]:
     return algo, cfg
 
 
-def _reference(model_dir: str, case: dict) -> dict:
-    """The unpipelined RL update on one process: TorchLearner log-probs, then the PPO loop."""
+def _reference(model_dir: str, case: dict, dtype: torch.dtype = torch.float64, configs=None) -> dict:
+    """The unpipelined RL update on one process: TorchLearner log-probs, then the PPO loop
+    (`configs(case)` gives the (AlgorithmConfig, LearnerConfig) of a case)."""
     from transformers import AutoModelForCausalLM
 
     from anytime.learner.data_parallel import TorchLearner
     from anytime.learner.ppo import ppo_update
 
-    algo, cfg = _configs(case)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    algo, cfg = (configs or _configs)(case)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     learner = TorchLearner(model, cfg, total_steps=10)
     batch = _train_batch()
     batch.old_logprobs = learner.logprobs(batch)
@@ -261,9 +262,9 @@ def test_recipe_checks_for_the_pipelined_learner():
     recipe = load_recipe(QUICKSTART, base + ["learner.pipeline.schedule=zb-v", "learner.pipeline.offload_chunks=[1]"])
     assert recipe.learner.pipeline.stages == 2
     bad = {
-        "learner.backend=deepspeed": "needs `learner.backend: torch`",
+        "learner.backend=deepspeed": "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2",
         "learner.pipeline.schedule=zb-h3": "must be one of 1f1b, .*zb-h1",
-        "learner.num_processes=4": "must equal `learner.pipeline.stages`",
+        "learner.num_processes=3": "must be a multiple of `learner.pipeline.stages`",
         "learner.pipeline.microbatches=1": "must be >= stages",
         "learner.pipeline.chunks=3": "chunks",
         "learner.pipeline.offload_chunks=[1]": r"chunk indices in 0\.\.0",
@@ -272,9 +273,18 @@ def test_recipe_checks_for_the_pipelined_learner():
     }
     for override, message in bad.items():
         extra = ["learner.reference_model=true"] if override.startswith("algorithm.kl_coef") else []
+        extra += ["learner.zero_stage=3"] if override.startswith("learner.backend") else []
         with pytest.raises(RecipeError, match=message):
             load_recipe(QUICKSTART, base + extra + [override])
-    assert load_recipe(QUICKSTART, base + ["learner.num_processes=2"]).learner.num_processes == 2
+    assert load_recipe(QUICKSTART, base + ["learner.num_processes=2"]).learner.processes == 2
+    assert load_recipe(QUICKSTART, base).learner.processes == 2  # 1 = one replica: a process per stage
+    mesh = load_recipe(QUICKSTART, base + ["learner.num_processes=4", "learner.backend=deepspeed",
+                                           "learner.zero_stage=1"]).learner
+    assert (mesh.processes, mesh.pipeline.stages, mesh.backend) == (4, 2, "deepspeed")  # 2 stages × 2 replicas
+    # Post-validation by default on the torch backend, the blocking step on DeepSpeed; either can be asked for.
+    assert mesh.pipeline.post_validating("torch") and not mesh.pipeline.post_validating("deepspeed")
+    assert load_recipe(QUICKSTART, base + ["learner.pipeline.post_validate=true"]).learner.pipeline.post_validating(
+        "deepspeed")
 
 
 @pytest.mark.distributed
@@ -304,14 +314,24 @@ def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(saved[-1] / "model").state_dict()
     moved = {k for k, v in trained.items() if not torch.equal(v, init[k])}
     assert "model.embed_tokens.weight" in moved and "lm_head.weight" in moved  # both stages trained
-    # The same first step unpipelined (one process, same rollout): same update up to float32 rounding.
+    flat = first_step_equals_the_flat_one(tmp_path, metrics)
+    piped = AutoModelForCausalLM.from_pretrained(saved[0] / "model").state_dict()
+    single = AutoModelForCausalLM.from_pretrained(flat / "checkpoints" / "step_1" / "model").state_dict()
+    assert max(float((piped[k] - single[k]).abs().max()) for k in single) < 1e-5
+    assert max(float((piped[k] - init[k]).abs().max()) for k in single) > 1e-5
+
+
+def first_step_equals_the_flat_one(tmp_path: Path, metrics: dict) -> Path:
+    """The same first step unpipelined (one process, same rollout): the same update up to float32
+    rounding. Returns the flat run's folder."""
+    from test_trainer import read_metrics, tiny_overrides
+
+    from anytime.learner.launch import launch_train
+
     flat = tmp_path / "flat"
     assert launch_train(QUICKSTART, tiny_overrides(flat, steps=1) + ["model.dtype=float32"]) == 0
     a, b = metrics[1], read_metrics(flat)[1]
     assert a["train/rows"] == b["train/rows"]
     for key in ("update/loss", "update/grad_norm", "update/entropy", "update/tokens"):
         assert a[key] == pytest.approx(b[key], rel=1e-4), key
-    piped = AutoModelForCausalLM.from_pretrained(saved[0] / "model").state_dict()
-    single = AutoModelForCausalLM.from_pretrained(flat / "checkpoints" / "step_1" / "model").state_dict()
-    assert max(float((piped[k] - single[k]).abs().max()) for k in single) < 1e-5
-    assert max(float((piped[k] - init[k]).abs().max()) for k in single) > 1e-5
+    return flat

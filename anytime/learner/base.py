@@ -62,7 +62,8 @@ class Learner(Protocol):
         """log π(input_ids[:, t+1] | input_ids[:, :t+1]) of this rank's rows, [R, T-1] float32."""
 
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
-        """Accumulate the gradient of one mini-batch's loss. Returns this rank's sums: `loss`, `tokens`
+        """Accumulate the gradient of this rank's share of one mini-batch's loss (`loss` normalises
+        over the whole mini-batch: learners sum the replicas' gradients). Returns this rank's sums: `loss`, `tokens`
         and token-weighted statistics (`clip_frac`, `approx_kl`, `ratio_mean`, `entropy`, `kl_ref`
         times tokens); a non-finite `loss` means the gradient must not be applied."""
 
@@ -96,6 +97,24 @@ def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
     return fn
 
 
+# The learner of each (pipelined, backend), as "module:class", imported when used: DeepSpeed is an
+# optional extra. Pipelined learners build their stages from the model path themselves; the
+# data-parallel ones take a loaded model (and the reference model).
+LEARNERS: dict[tuple[bool, str], str] = {
+    (False, "torch"): "anytime.learner.data_parallel:TorchLearner",
+    (False, "deepspeed"): "anytime.learner.deepspeed_learner:DeepSpeedLearner",
+    (True, "torch"): "anytime.learner.pipeline_learner:PipelineLearner",
+    (True, "deepspeed"): "anytime.learner.deepspeed_pipeline:DeepSpeedPipelineLearner",
+}
+
+
+def learner_class(pipelined: bool, backend: str) -> type:
+    import importlib
+
+    module, name = LEARNERS[(pipelined, backend)].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def build_learner(recipe: Any, model_path: str) -> Learner:
     """The learner a recipe asks for, on this process's device."""
     from anytime.defaults import torch_dtype
@@ -104,10 +123,10 @@ def build_learner(recipe: Any, model_path: str) -> Learner:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch_dtype(recipe.model.dtype)
     total = recipe.trainer.steps
-    if lc.pipeline.stages > 1:
-        from anytime.learner.pipeline_learner import PipelineLearner
-
-        return PipelineLearner(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
+    pipelined = lc.pipeline.stages > 1
+    kind = learner_class(pipelined, lc.backend)
+    if pipelined:
+        return kind(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
     from anytime.learner.data_parallel import load_model
 
     model = load_model(model_path, dtype, device, recipe.model.trust_remote_code, recipe.model.gradient_checkpointing)
@@ -115,10 +134,4 @@ def build_learner(recipe: Any, model_path: str) -> Learner:
     if lc.reference_model:
         ref = load_model(model_path, dtype, device, recipe.model.trust_remote_code, False).eval()
         ref.requires_grad_(False)
-    if lc.backend == "deepspeed":
-        from anytime.learner.deepspeed_learner import DeepSpeedLearner
-
-        return DeepSpeedLearner(model, lc, total, ref_model=ref)
-    from anytime.learner.data_parallel import TorchLearner
-
-    return TorchLearner(model, lc, total, ref_model=ref)
+    return kind(model, lc, total, ref_model=ref)

@@ -187,9 +187,10 @@ class TrainBatch:
         batch, of which this data-parallel rank holds prompts p % dp_size == dp_rank."""
         per_mini = max(1, prompts_per_mini)
         for start in range(0, self.num_prompts, per_mini):
-            mine = [p for p in range(start, min(start + per_mini, self.num_prompts)) if p % dp_size == dp_rank]
+            every = list(range(start, min(start + per_mini, self.num_prompts)))
+            mine = [p for p in every if p % dp_size == dp_rank]
             rows = torch.isin(self.prompt_index, torch.tensor(mine, dtype=torch.long)).nonzero().flatten()
-            yield MiniBatch(self.select(rows), mine, rows)
+            yield MiniBatch(self.select(rows), mine, rows, every)
 
     def micro_batch_rows(self, token_budget: int) -> list[list[int]]:
         """Rows grouped longest first so each micro-batch's padded size rows × longest ≤ token_budget;
@@ -215,6 +216,7 @@ class MiniBatch:
     batch: TrainBatch
     prompts: list[int]
     rows: torch.Tensor                 # the rows' indices in the batch they came from
+    all_prompts: list[int]             # the mini-batch's prompts on every data-parallel rank
 
 
 def _pad_columns(t: torch.Tensor, width: int, value: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Data-parallel learners: the whole model on every rank, each rank training the rows of its own
-prompts in micro-batches packed by a token budget, gradients averaged across ranks.
+prompts in micro-batches packed by a token budget, gradients summed across ranks (each rank's
+loss is its share of the mini-batch loss: the normaliser is global).
 `TorchLearner` runs plain PyTorch AdamW; `anytime.learner.deepspeed_learner` runs the same
 micro-batch loop on a DeepSpeed ZeRO engine.
 
@@ -14,12 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, head_chunks, selected_logprobs
 from anytime.attention import attention_inputs, packed_attn_implementation
 from anytime.config import LearnerConfig
-from anytime.dist import any_across_ranks, is_main, max_across_ranks, rank_world
+from anytime.dist import any_across_ranks, is_main, max_across_ranks, rank_world, sum_gradients
 from anytime.learner.base import LossSpec, StepResult, lr_lambda
 from anytime.learner.batch import TrainBatch
 from anytime.learner.ppo import add_sums, token_loss
@@ -131,7 +131,7 @@ class DataParallelLearner:
 
 
 class TorchLearner(DataParallelLearner):
-    """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are all-reduced at the step."""
+    """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are summed at the step."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
                  ref_model: torch.nn.Module | None = None):
@@ -143,10 +143,7 @@ class TorchLearner(DataParallelLearner):
 
     def optimizer_step(self) -> StepResult:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.dp_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad /= self.dp_size
+        sum_gradients(params)  # each rank's gradient is its share of the mini-batch's (global normaliser)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
         lr = self.optimizer.param_groups[0]["lr"]

@@ -1,6 +1,9 @@
 """The DeepSpeed learner: the data-parallel micro-batch loop on a DeepSpeed ZeRO 0-3 engine (gloo
 and torch's AdamW on the CPU, so nothing is JIT-compiled there). DeepSpeed clips, skips steps with
 non-finite gradients, steps the LR schedule and writes its own sharded checkpoint.
+
+The helpers here (`initialize_engine`, `EngineStep`) also serve the pipelined DeepSpeed learner
+(`anytime.learner.deepspeed_pipeline`).
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,49 +35,105 @@ def _init_single_process() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _without_shared_memory_op() -> None:
+    """On the CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce op when it starts
+    (about 130 s on a cold machine) and leaves `/dev/shm/deepspeed_allreduce_buffer_*` files behind.
+    That op serves only `inference_all_reduce` (tensor-parallel inference); training collectives go
+    through torch.distributed (gloo) either way. DeepSpeed builds it only if its op-compatibility
+    table, a dict it keeps in `deepspeed.ops` so that entries set there persist, lists it as
+    available: marking it unavailable there before DeepSpeed's backend starts skips the build."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], cfg: LearnerConfig,
+                      total_steps: int, *, zero_stage: int, mpu: Any = None,
+                      optimizer: torch.optim.Optimizer | None = None,
+                      grad_clip: float | None = None) -> tuple[Any, Any, Any]:
+    """(engine, optimizer, LR scheduler) of a DeepSpeed ZeRO engine over `module`'s `params`.
+
+    Each data-parallel rank's loss is its share of the mini-batch loss (the normaliser is global),
+    so the engine *sums* the ranks' gradients (`gradient_allreduce_op: sum`); DeepSpeed does not
+    offer that under ZeRO-3, where `loss_multiplier` returns the factor to scale the loss by instead.
+    `optimizer` replaces DeepSpeed's own AdamW (ZeRO then runs it on its fp32 partitions), and
+    `grad_clip` the recipe's clipping threshold (0 = DeepSpeed does not clip).
+    """
+    import deepspeed
+
+    _without_shared_memory_op()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            _init_single_process()
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    ds_config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip if grad_clip is None else grad_clip,
+        "gradient_allreduce_op": "sum" if zero_stage < 3 else "mean",
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": cfg.bf16},
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas),
+                                                   "weight_decay": cfg.weight_decay,
+                                                   "torch_adam": not torch.cuda.is_available()}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if optimizer is not None:
+        del ds_config["optimizer"]
+    schedule = lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
+    # DeepSpeed builds the scheduler on its base optimizer, steps it and checkpoints it itself.
+    engine, ds_optimizer, _, scheduler = deepspeed.initialize(
+        model=module, model_parameters=list(params), config=ds_config, mpu=mpu, optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine, ds_optimizer, scheduler
+
+
+def loss_multiplier(zero_stage: int, dp_size: int) -> float:
+    """What the loss is scaled by before DeepSpeed's backward so that its reduction sums the
+    data-parallel shares: 1 where the engine sums, `dp_size` under ZeRO-3, where it averages."""
+    return float(dp_size) if zero_stage >= 3 else 1.0
+
+
+class EngineStep:
+    """`engine.step()` as a `StepResult`: the global norm DeepSpeed clipped by and whether its
+    overflow check skipped the step (decided over the data-parallel and model-parallel groups, so
+    the same on every rank)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._skipped_seen = engine.skipped_steps
+
+    def __call__(self) -> StepResult:
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        skipped = self.engine.skipped_steps > self._skipped_seen
+        self._skipped_seen = self.engine.skipped_steps
+        return StepResult(norm, skipped or not math.isfinite(norm), lr)
+
+
 class DeepSpeedLearner(DataParallelLearner):
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
                  ref_model: torch.nn.Module | None = None):
-        import deepspeed
-
-        if not dist.is_initialized():
-            if "RANK" not in os.environ:
-                _init_single_process()
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-        ds_config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": cfg.zero_stage},
-            "bf16": {"enabled": cfg.bf16},
-            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas),
-                                                       "weight_decay": cfg.weight_decay,
-                                                       "torch_adam": not torch.cuda.is_available()}},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        schedule = lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
-        # DeepSpeed builds the scheduler on its base optimizer, steps it and checkpoints it itself.
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self.engine, self.optimizer, self.scheduler = initialize_engine(
+            model, model.parameters(), cfg, total_steps, zero_stage=cfg.zero_stage)
         super().__init__(self.engine.module, cfg, ref_model)
         self._zero3 = cfg.zero_stage == 3
-        self._skipped_seen = 0
+        self._loss_multiplier = loss_multiplier(cfg.zero_stage, self.dp_size)
+        self._step = EngineStep(self.engine)
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         # ZeRO reduces gradients in the backward of the accumulation boundary: mark the last micro-batch.
         self.engine.set_gradient_accumulation_boundary(last)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(loss * self._loss_multiplier if self._loss_multiplier != 1.0 else loss,
+                             scale_wrt_gas=False)
 
     def optimizer_step(self) -> StepResult:
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
-        skipped = self.engine.skipped_steps > self._skipped_seen  # ZeRO's overflow check, same on every rank
-        self._skipped_seen = self.engine.skipped_steps
-        return StepResult(norm, skipped or not math.isfinite(norm), lr)
+        return self._step()
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()

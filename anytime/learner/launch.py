@@ -1,7 +1,7 @@
 """`anytime train` / `anytime sft`: check the recipe's inputs before any work, prepare the model
 (tiny build, supervised warm start), and run the trainer — in this process, or in N processes
-that this command starts itself (torchrun-style) when `learner.num_processes > 1` (data parallel)
-or `learner.pipeline.stages > 1` (one process per pipeline stage)."""
+that this command starts itself (torchrun-style) when `learner.num_processes > 1` (data parallel,
+or a pipeline's stages × data-parallel replicas) or `learner.pipeline.stages > 1`."""
 
 from __future__ import annotations
 
@@ -190,8 +190,7 @@ def supervise(cmd: list[str]) -> int:
 def launch_train(recipe_path: str, overrides: list[str], nodes: Nodes = Nodes()) -> int:
     recipe = load_recipe(recipe_path, overrides)
     preflight(recipe)
-    stages = recipe.learner.pipeline.stages
-    n = stages if stages > 1 else recipe.learner.num_processes  # a pipelined learner: one process per stage
+    n = recipe.learner.processes  # data parallel, or pipeline stages × data-parallel replicas
     if (n > 1 or nodes.nnodes > 1) and "RANK" not in os.environ:
         cmd = torchrun_command(recipe_path, overrides, n, nodes)
         log.info("launching %d learner processes: %s", n, " ".join(cmd))

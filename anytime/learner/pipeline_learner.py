@@ -1,11 +1,15 @@
-"""The pipelined RL learner (`learner.pipeline.stages > 1`): one process per pipeline rank, each
-holding its stages of a `PipelinedCausalLM` and a PyTorch AdamW over their weights.
+"""The pipelined RL learner (`learner.pipeline.stages > 1`): P pipeline stages × D data-parallel
+replicas (`learner.num_processes` = P·D, see `anytime.learner.mesh`), each rank holding its
+stages of a `PipelinedCausalLM` and a PyTorch AdamW over their weights
+(`anytime.learner.deepspeed_pipeline` puts a DeepSpeed ZeRO engine there instead).
 
-There is no data-parallel split: every rank holds the same rows. A PPO mini-batch is one padded
-batch whose row count is rounded up to a multiple of the schedule's microbatches with zero-mask
-rows, trained in one pipelined forward/backward; `learner.micro_batch_tokens` does not apply
-(a microbatch is the mini-batch's rows / `learner.pipeline.microbatches`). Tree-packed rows carry
-their hidden key spans to the pipeline, which builds each microbatch's mask and position ids.
+Replica d trains the rows of prompts p with p % D == d; all stages of a replica hold the same rows.
+A PPO mini-batch is one padded batch whose row count is rounded up to a multiple of the
+schedule's microbatches with zero-mask rows, trained in one pipelined forward/backward; the
+replicas' gradients are summed after the schedule's last W (the loss normaliser is global);
+`learner.micro_batch_tokens` does not apply (a microbatch is the mini-batch's rows /
+`learner.pipeline.microbatches`). Tree-packed rows carry their hidden key spans to the pipeline,
+which builds each microbatch's mask and position ids.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from typing import Any
 import torch
 
 from anytime.config import LearnerConfig
-from anytime.dist import rank_world
 from anytime.learner.base import LossSpec, StepResult, lr_lambda
 from anytime.learner.batch import TrainBatch
 
@@ -24,37 +27,49 @@ from anytime.learner.batch import TrainBatch
 class PipelineLearner:
     """`model`: a model folder / hub id, a transformers config or a model (see
     `anytime.pipeline.partition.load_causal_lm`). Build it on every rank of the default process
-    group, whose size must be `cfg.pipeline.stages`."""
+    group, whose size must be a multiple of `cfg.pipeline.stages`."""
 
     def __init__(self, model: Any, cfg: LearnerConfig, total_steps: int, *, dtype: torch.dtype | None = None,
                  seed: int = 0, device: torch.device | str | None = None) -> None:
-        from anytime.attention import packed_attn_implementation
+        from anytime.learner.mesh import build_mesh
+
+        self.cfg = cfg
+        self.device_type = torch.device(device or "cpu").type
+        self.mesh = build_mesh(cfg.pipeline.stages, self.device_type)
+        self.model = self._build_model(model, total_steps, dtype=dtype, seed=seed, device=device)
+        self.config = self.model.config
+        self.optimizer = self.model.optimizer
+        self.dp_size, self.dp_ranks = self.mesh.replicas, self.mesh.dp_ranks
+
+    def _build_model(self, model: Any, total_steps: int, **kwargs: Any):
         from anytime.pipeline.causal_lm import PipelinedCausalLM
 
-        p = cfg.pipeline
-        world = rank_world()[1]
-        if world != p.stages:
-            raise ValueError(f"learner.pipeline.stages is {p.stages} but {world} learner processes are running; "
-                             f"start one process per stage (anytime train does this itself)")
-        self.cfg = cfg
+        cfg, m = self.cfg, self.mesh
 
         def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
-        self.model = PipelinedCausalLM(
-            model, p.schedule, microbatches=p.microbatches, chunks=p.chunks, optimizer_factory=adamw,
-            device=device, dtype=dtype, seed=seed, offload_chunks=p.offload_chunks,
-            max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, post_validate=p.post_validate,
-            attn_implementation=packed_attn_implementation(device or "cpu") if cfg.pack_summaries else None,
-            logprob_chunk_tokens=cfg.logprob_chunk_tokens)
-        self.config = self.model.config
-        self.optimizer = self.model.optimizer
+        built = PipelinedCausalLM(model, cfg.pipeline.schedule, optimizer_factory=adamw,
+                                  dp_group=m.dp_group if m.replicas > 1 else None, **self._model_kwargs(), **kwargs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
-        self.dp_size, self.dp_ranks = 1, [0] * world
+            built.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        return built
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        """`PipelinedCausalLM` arguments from the recipe and the mesh, whatever steps the stages."""
+        from anytime.attention import packed_attn_implementation
+
+        cfg, p, m = self.cfg, self.cfg.pipeline, self.mesh
+        return {"attn_implementation": packed_attn_implementation(self.device_type) if cfg.pack_summaries else None,
+                "microbatches": p.microbatches, "chunks": p.chunks, "offload_chunks": p.offload_chunks,
+                "max_grad_norm": cfg.grad_clip if cfg.grad_clip > 0 else None,
+                "post_validate": p.post_validating(cfg.backend), "group": m.pp_group,
+                "reverse_group": m.pp_reverse_group, "logprob_chunk_tokens": cfg.logprob_chunk_tokens}
 
     def _tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        padded = batch.with_padding_rows(-len(batch) % self.model.schedule.microbatches)
+        m = self.model.schedule.microbatches
+        # A replica whose share of a mini-batch is empty still runs the schedule, on zero-mask rows.
+        padded = batch.with_padding_rows(max(m, -(-len(batch) // m) * m) - len(batch))
         return {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask,
                 "loss_mask": padded.loss_mask.float(), "advantages": padded.advantages,
                 "old_logprobs": padded.old_logprobs, "skip_start": padded.skip_start, "skip_end": padded.skip_end}
@@ -88,26 +103,34 @@ class PipelineLearner:
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-        """All weights under HF names on rank 0 (every rank with `all_ranks`); otherwise each other
-        rank gets its own stages' weights."""
-        return self.model.full_state_dict(dst=None if all_ranks else 0)
+        """All weights under HF names on rank 0, gathered over replica 0's pipeline (with `all_ranks`,
+        on every rank, each over its own replica's pipeline: the replicas are identical); otherwise
+        every other rank gets its own stages' weights."""
+        if all_ranks:
+            return self.model.full_state_dict(dst=None)
+        if self.mesh.replica != 0:
+            return self.model.state_dict()
+        return self.model.full_state_dict(dst=0)
 
-    def _state_file(self, folder: Path, rank: int) -> Path:
-        return folder / f"pipeline_rank{rank}.pt"
+    def _state_file(self, folder: Path, stage_rank: int) -> Path:
+        return folder / f"pipeline_rank{stage_rank}.pt"
 
     def save(self, folder: Path) -> None:
-        """Each rank writes its stages' optimizer state (and the LR schedule) itself."""
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   self._state_file(folder, rank_world()[0]))
+        """Replica 0's ranks write their stages' optimizer state (and the LR schedule) themselves."""
+        if self.mesh.replica == 0:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       self._state_file(folder, self.mesh.stage_rank))
+
+    def _check_stages(self, folder: Path, found: int) -> None:
+        if found != self.mesh.stages:
+            raise ValueError(f"checkpoint {folder} holds the optimizer state of {found} pipeline stages; this run "
+                             f"has {self.mesh.stages}: resume with the same learner.pipeline.stages")
 
     def load(self, folder: Path) -> None:
         from anytime.learner.checkpoint import load_tensors, read_model_weights
 
-        stages, (rank, world) = len(list(folder.glob("pipeline_rank*.pt"))), rank_world()
-        if stages != world:
-            raise ValueError(f"checkpoint {folder} holds the optimizer state of {stages} pipeline stages; this run "
-                             f"has {world}: resume with the same learner.pipeline.stages")
+        self._check_stages(folder, len(list(folder.glob("pipeline_rank*.pt"))))
         self.model.load_state_dict(read_model_weights(folder))
-        state = load_tensors(self._state_file(folder, rank))
+        state = load_tensors(self._state_file(folder, self.mesh.stage_rank))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

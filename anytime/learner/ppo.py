@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
+
 import torch
 
 from anytime.algo.loss import policy_loss
@@ -23,26 +25,38 @@ WEIGHTED_STATS = ("clip_frac", "approx_kl", "ratio_mean", "entropy", "kl_ref")
 _COUNTS = ("skipped_updates", "empty_minibatches")
 
 
-def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> LossSpec:
-    """The loss normaliser of one mini-batch, in one place.
+def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch,
+              dp_ranks: Sequence[int] | None = None) -> LossSpec:
+    """The loss normaliser of one mini-batch, in one place. It is global: the same for every
+    data-parallel replica, counted over the whole mini-batch, so each replica's loss is its share
+    of the mini-batch loss and the learners *sum* the replicas' gradients.
 
-    - `token-mean`: the trained tokens of this rank's prompts in the mini-batch, counted before
-      zero-advantage rows were dropped (dropping them then changes nothing);
+    - `token-mean`: the trained tokens of the mini-batch's prompts, counted before zero-advantage
+      rows were dropped (dropping them then changes nothing);
     - `constant` (Dr.GRPO): those prompts' traces × a width: `algorithm.loss_norm_length` when the
       recipe fixes it (the official code's max_response_length), else the batch's `max_len`;
-    - `seq-mean-token-mean`: the sequences (thinking traces and summaries) this rank trains in the
-      mini-batch, whether each is a row or a branch of a tree-packed row.
-    Each data-parallel rank normalises its own share and the gradients are averaged across ranks.
+    - `seq-mean-token-mean`: the sequences (thinking traces and summaries, each a row or a branch
+      of a tree-packed row) trained in the mini-batch by every replica (a collective: `dp_ranks`,
+      the data-parallel rank of every global rank, says which ranks share rows).
     """
-    tokens = float(batch.tokens_per_prompt[mini.prompts].sum()) if mini.prompts else 0.0
+    tokens = float(batch.tokens_per_prompt[mini.all_prompts].sum()) if mini.all_prompts else 0.0
     rows: float | None = None
     if algo.loss_agg == "constant":
-        rows = float(max(len(mini.prompts) * batch.traces_per_prompt, 1))
+        rows = float(max(len(mini.all_prompts) * batch.traces_per_prompt, 1))
     elif algo.loss_agg == "seq-mean-token-mean":
-        rows = float(max(int(mini.batch.sequences.sum()), 1))
+        rows = float(max(_rows_of_every_replica(int(mini.batch.sequences.sum()), dp_ranks), 1))
     return LossSpec(algo.loss_agg, algo.clip_low, algo.clip_high, num_tokens=max(tokens, 1.0), num_rows=rows,
                     max_len=algo.loss_norm_length or batch.max_len, entropy_coef=algo.entropy_coef,
                     kl_coef=algo.kl_coef, kl_type=algo.kl_type)
+
+
+def _rows_of_every_replica(rows: int, dp_ranks: Sequence[int] | None) -> float:
+    """Σ over replicas of their row counts: the ranks of one replica (its pipeline stages) hold the
+    same rows, so each adds its count divided by how many they are (exact in float64)."""
+    if dp_ranks is None or len(dp_ranks) == 1:
+        return float(rows)
+    sharing = dp_ranks.count(dp_ranks[rank_world()[0]])
+    return sum_across_ranks([rows / sharing])[0]
 
 
 def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch, spec: LossSpec,
@@ -77,10 +91,10 @@ def ppo_update(learner: Learner, batch: TrainBatch, algo: AlgorithmConfig, cfg: 
     """PPO epochs over mini-batches of `cfg.mini_batch_prompts` prompts, one optimizer step each;
     `batch` is this rank's share with its old log-probs filled in.
 
-    Statistics are per optimizer step, averaged over steps: `loss` is the step's loss (the mean over
-    data-parallel replicas, as the averaged gradient is), `tokens` the trained tokens of the step
-    over all replicas, and the WEIGHTED_STATS token-weighted means over them; so none of them
-    depends on micro-batching or on the learner kind.
+    Statistics are per optimizer step, averaged over steps: `loss` is the step's loss (the sum of the
+    replicas' shares, as the gradient is), `tokens` the trained tokens of the step over all
+    replicas, and the WEIGHTED_STATS token-weighted means over them; so none of them depends on
+    micro-batching, on the number of replicas or on the learner kind.
     """
     dp_rank = learner.dp_ranks[rank_world()[0]]
     stats: dict[str, list[float]] = defaultdict(list)
@@ -89,7 +103,7 @@ def ppo_update(learner: Learner, batch: TrainBatch, algo: AlgorithmConfig, cfg: 
             if not any_across_ranks(len(mini.batch) > 0):  # every advantage was zero: nothing to learn
                 stats["empty_minibatches"].append(1.0)
                 continue
-            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch))
+            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch, learner.dp_ranks))
             if any_across_ranks(not math.isfinite(sums["loss"])):
                 learner.zero_grad()
                 stats["skipped_updates"].append(1.0)
@@ -101,7 +115,7 @@ def ppo_update(learner: Learner, batch: TrainBatch, algo: AlgorithmConfig, cfg: 
             keys = ("loss", "tokens", *WEIGHTED_STATS)
             values = sum_across_ranks([sums.get(k, 0.0) for k in keys] + [float("kl_ref" in sums)])
             total, has_kl = dict(zip(keys, values)), values[-1] > 0
-            stats["loss"].append(total["loss"] / learner.dp_size)
+            stats["loss"].append(total["loss"])
             stats["grad_norm"].append(result.grad_norm)
             stats["lr"].append(result.lr)
             if total["tokens"] > 0:

@@ -23,6 +23,7 @@ from torch import nn
 
 from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS
 from anytime.attention import attention_inputs, has_branches
+from anytime.dist import sum_gradients
 from anytime.pipeline.runtime import PipelineExecutor
 from anytime.pipeline.schedule import Schedule
 
@@ -63,6 +64,11 @@ class PipelinedCausalLM:
     kl_coef, max_len, and the normalisers num_tokens / num_rows, which default to the batch's own
     totals); `train_step` and `forward_backward` take per-call overrides, e.g. the totals of a
     PPO mini-batch.
+
+    On a (pipeline × data-parallel) mesh, `group` is this replica's pipeline, `dp_group` the
+    ranks holding the same stages in the other replicas (their gradients are summed before the
+    step), and `reverse_group` the pipeline's second point-to-point group on NCCL (built for
+    every pipeline by `anytime.learner.mesh`).
     """
 
     def __init__(self, model, schedule: str | Schedule, *, microbatches: int | None = None,
@@ -73,13 +79,13 @@ class PipelinedCausalLM:
                  offload_chunks: Iterable[int] = (), max_grad_norm: float | None = 1.0,
                  post_validate: bool = True, rollback: str = "auto", loss_kwargs: Mapping | None = None,
                  temperature: float = 1.0, prefetch: int = 2, attn_implementation: str | None = None,
-                 logprob_chunk_tokens: int | None = None) -> None:
+                 logprob_chunk_tokens: int | None = None, dp_group: dist.ProcessGroup | None = None,
+                 reverse_group: dist.ProcessGroup | None = None) -> None:
         from anytime.pipeline.partition import (
             build_stages,
             load_causal_lm,
             tied_embeddings,
         )
-        from anytime.pipeline.postvalidate import PostValidator
         from anytime.pipeline.schedule import build_schedule
 
         if not dist.is_initialized():
@@ -91,7 +97,7 @@ class PipelinedCausalLM:
             schedule = build_schedule(schedule, ranks, microbatches, chunks)
         elif microbatches is not None and microbatches != schedule.microbatches:
             raise ValueError(f"microbatches={microbatches} disagrees with the schedule's {schedule.microbatches}")
-        self.schedule, self.group = schedule, group
+        self.schedule, self.group, self.dp_group = schedule, group, dp_group
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.temperature, self.loss_kwargs = temperature, dict(loss_kwargs or {})
         self.chunk_tokens = logprob_chunk_tokens or DEFAULT_CHUNK_TOKENS
@@ -105,21 +111,32 @@ class PipelinedCausalLM:
         for module in stages.values():
             module.to(self.device)
         pairs = [((0, "embed_tokens.weight"), (last, "lm_head.weight"))] if tied else []
-        self.executor = PipelineExecutor(stages, schedule, group=group, device=self.device,
-                                         offload_chunks=offload_chunks, prefetch=prefetch, tied=pairs)
+        self.executor = PipelineExecutor(stages, schedule, group=group, reverse_group=reverse_group,
+                                         device=self.device, offload_chunks=offload_chunks, prefetch=prefetch,
+                                         tied=pairs)
         self.last_rank = schedule.placement[last]
-        self.dtype = next(p.dtype for _, p in self.named_parameters() if p.is_floating_point())
-        params = list({id(p): p for _, p in self.named_parameters()}.values())
+        self.params = list({id(p): p for _, p in self.named_parameters()}.values())
         # A tied weight held by two ranks carries the same summed gradient on both: count it once.
         skip = {id(stages[last].lm_head.weight)} if tied and schedule.placement[0] != rank and last in stages else set()
-        factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-6))
-        self.optimizer = factory(params)
-        self.validator = PostValidator(self.optimizer, [p for p in params if id(p) not in skip],
-                                       max_grad_norm=max_grad_norm, group=group, enabled=post_validate,
-                                       rollback=rollback)
+        self.optimizer, self.validator = self._build_optimizer(
+            [p for p in self.params if id(p) not in skip], optimizer_factory=optimizer_factory,
+            max_grad_norm=max_grad_norm, post_validate=post_validate, rollback=rollback)
+        self.dtype = next(p.dtype for _, p in self.named_parameters() if p.is_floating_point())
         self._pending_metrics: dict = {}
         self.last_metrics: dict = {}
         self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None = None
+
+    def _build_optimizer(self, norm_params: list[nn.Parameter], *, optimizer_factory, max_grad_norm: float | None,
+                         post_validate: bool, rollback: str):
+        """(optimizer of `self.params`, the object that steps it): here a PyTorch optimizer and its
+        `PostValidator`; `anytime.pipeline.deepspeed_stage` steps a DeepSpeed engine instead.
+        `norm_params` are the weights whose gradients count toward the global norm."""
+        from anytime.pipeline.postvalidate import PostValidator
+
+        factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-6))
+        optimizer = factory(self.params)
+        return optimizer, PostValidator(optimizer, norm_params, max_grad_norm=max_grad_norm, group=self.group,
+                                        enabled=post_validate, rollback=rollback)
 
     # -- weights --------------------------------------------------------------------------------
     def named_parameters(self):
@@ -308,7 +325,11 @@ class PipelinedCausalLM:
                 "peak_saved_bytes": stats.peak_saved_bytes, "sums": dict(self._pending_metrics)}
 
     def optimizer_step(self) -> None:
-        """Speculative step (post-validation) or the blocking clip-then-step when disabled."""
+        """Speculative step (post-validation) or the blocking clip-then-step when disabled. With
+        data-parallel replicas (`dp_group`) the replicas' gradients are summed first, once, after
+        the schedule's last W: every replica of a stage then takes the same decisions."""
+        if self.dp_group is not None:
+            sum_gradients(self.params, self.dp_group)
         pm = self._pending_metrics
         result = self.validator.step([pm.get(k, 0.0) for k in _EXTRAS])
         if result is not None:

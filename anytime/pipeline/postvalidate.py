@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from anytime.dist import collective_device
+
 ROLLBACK_MODES = ("auto", "inverse", "snapshot")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon, so clipping matches it exactly
 
@@ -41,7 +43,35 @@ class Validation:
     extras: list[float] = field(default_factory=list)
 
 
-def _adam_invertible(optimizer: torch.optim.Optimizer) -> bool:
+def clip_coefficient(max_grad_norm: float | None, norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_`'s scale for a gradient of this norm (1: no clipping)."""
+    if max_grad_norm is None:
+        return 1.0
+    return min(1.0, max_grad_norm / (norm + CLIP_EPS))
+
+
+class GlobalState:
+    """This rank's [‖g‖², non-finite flag, extras...] summed over `group`, in flight until `wait()`
+    (a blocking all-reduce when `async_op` is False)."""
+
+    def __init__(self, sq_norm: float, nonfinite: bool, extras: Sequence[float], group: dist.ProcessGroup | None,
+                 async_op: bool) -> None:
+        self.buffer = torch.tensor([0.0 if nonfinite else sq_norm, float(nonfinite), *extras], dtype=torch.float64,
+                                   device=collective_device(group))
+        self.work = None
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            self.work = dist.all_reduce(self.buffer, group=group, async_op=async_op)
+
+    def wait(self) -> tuple[float, bool, list[float]]:
+        """(global ‖g‖², any rank non-finite, summed extras)."""
+        if self.work is not None:
+            self.work.wait()
+        values = self.buffer.cpu().tolist()
+        return values[0], values[1] > 0, values[2:]
+
+
+def adam_invertible(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `undo_adam_step` can invert this optimizer's steps."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return False
     return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
@@ -117,22 +147,21 @@ class PostValidator:
                  enabled: bool = True, rollback: str = "auto") -> None:
         if rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback={rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
-        if rollback == "inverse" and not _adam_invertible(optimizer):
+        if rollback == "inverse" and not adam_invertible(optimizer):
             raise ValueError("rollback='inverse' needs torch.optim.Adam/AdamW without amsgrad/maximize/capturable; "
                              "use rollback='snapshot' for other optimizers")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         self.optimizer, self.norm_params = optimizer, list(norm_params)
         self.max_grad_norm, self.group, self.enabled = max_grad_norm, group, enabled
-        self.inverse = rollback == "inverse" or (rollback == "auto" and _adam_invertible(optimizer))
-        self._work = None
-        self._buffer: torch.Tensor | None = None
+        self.inverse = rollback == "inverse" or (rollback == "auto" and adam_invertible(optimizer))
+        self._state: GlobalState | None = None
         self._stepped = False
         self._snapshot: _Snapshot | None = None
 
     @property
     def pending(self) -> bool:
-        return self._buffer is not None
+        return self._state is not None
 
     def _params(self) -> list[nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -143,47 +172,29 @@ class PostValidator:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).pow(2).sum().cpu()
 
-    def _clip_coef(self, sq_norm: float) -> float:
-        if self.max_grad_norm is None:
-            return 1.0
-        return min(1.0, self.max_grad_norm / (math.sqrt(sq_norm) + CLIP_EPS))
-
     def step(self, extras: Sequence[float] = ()) -> Validation | None:
         """Step now if the local gradients allow it; returns the validation when it is already known
         (disabled mode or a single rank), else None (call `validate()`)."""
         if self.pending:
             raise RuntimeError("previous step not validated yet: call validate() first")
-        sq = self._local_sq_norm()
-        nonfinite = 0.0 if bool(torch.isfinite(sq)) else 1.0
-        self._buffer = torch.tensor([float(sq) if nonfinite == 0.0 else 0.0, nonfinite, *extras],
-                                    dtype=torch.float64)
-        device = self._collective_device()
-        self._buffer = self._buffer.to(device)
+        sq = float(self._local_sq_norm())
+        nonfinite = not math.isfinite(sq)
+        self._state = GlobalState(sq, nonfinite, extras, self.group, async_op=self.enabled)
         self._stepped = False
-        if self.enabled and nonfinite == 0.0 and self._clip_coef(float(sq)) >= 1.0:
+        if self.enabled and not nonfinite and clip_coefficient(self.max_grad_norm, math.sqrt(sq)) >= 1.0:
             self._snapshot = None if self.inverse else _Snapshot(self.optimizer)
             self.optimizer.step()
             self._stepped = True
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            self._work = dist.all_reduce(self._buffer, group=self.group, async_op=self.enabled)
         return None if self.enabled else self.validate()
-
-    def _collective_device(self) -> torch.device:
-        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def validate(self) -> Validation:
         """Wait for the global state and make the local step agree with it."""
         if not self.pending:
             raise RuntimeError("nothing to validate: call step() first")
-        if self._work is not None:
-            self._work.wait()
-        result = self._buffer.cpu().tolist()
-        self._buffer, self._work = None, None
-        sq, nonfinite, extras = result[0], result[1] > 0, result[2:]
+        sq, nonfinite, extras = self._state.wait()
+        self._state = None
         stepped, rolled_back, clipped = self._stepped, False, False
-        coef = self._clip_coef(sq) if not nonfinite else 1.0
+        coef = clip_coefficient(self.max_grad_norm, math.sqrt(sq)) if not nonfinite else 1.0
         if stepped and (nonfinite or coef < 1.0):
             self._undo()
             rolled_back = True

@@ -330,7 +330,8 @@ def test_anytime_train_with_deepspeed_on_a_two_by_two_mesh(tmp_path):
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"
     mesh = ["learner.backend=deepspeed", "learner.zero_stage=1", "learner.pipeline.stages=2",
-            "learner.num_processes=4", "learner.pipeline.microbatches=2", "model.dtype=float32"]
+            "learner.num_processes=4", "learner.pipeline.microbatches=2", "model.dtype=float32",
+            "rollout.prompts_per_step=4"]  # colocated rollout: a prompt per learner process
     assert launch_train(QUICKSTART, tiny_overrides(out, steps=2) + mesh) == 0
     metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
@@ -341,5 +342,5 @@ def test_anytime_train_with_deepspeed_on_a_two_by_two_mesh(tmp_path):
     names = sorted(p.name for p in (step / "deepspeed").glob("*.pt"))
     assert names == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"] + [
         f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)]
-    first_step_equals_the_flat_one(tmp_path, metrics)
+    first_step_equals_the_flat_one(tmp_path, metrics, ("rollout.prompts_per_step=4",))
     assert set(os.listdir("/dev/shm")) <= shm_before

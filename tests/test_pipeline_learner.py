@@ -321,7 +321,7 @@ def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
     assert max(float((piped[k] - init[k]).abs().max()) for k in single) > 1e-5
 
 
-def first_step_equals_the_flat_one(tmp_path: Path, metrics: dict) -> Path:
+def first_step_equals_the_flat_one(tmp_path: Path, metrics: dict, extra: tuple[str, ...] = ()) -> Path:
     """The same first step unpipelined (one process, same rollout): the same update up to float32
     rounding. Returns the flat run's folder."""
     from test_trainer import read_metrics, tiny_overrides
@@ -329,7 +329,7 @@ def first_step_equals_the_flat_one(tmp_path: Path, metrics: dict) -> Path:
     from anytime.learner.launch import launch_train
 
     flat = tmp_path / "flat"
-    assert launch_train(QUICKSTART, tiny_overrides(flat, steps=1) + ["model.dtype=float32"]) == 0
+    assert launch_train(QUICKSTART, tiny_overrides(flat, steps=1) + ["model.dtype=float32", *extra]) == 0
     a, b = metrics[1], read_metrics(flat)[1]
     assert a["train/rows"] == b["train/rows"]
     for key in ("update/loss", "update/grad_norm", "update/entropy", "update/tokens"):

@@ -1,17 +1,29 @@
-"""Rollout benchmark: thinking phase vs summary phase on the hf and vllm engines (runs on CPU).
+"""Rollout benchmark: thinking vs summaries on the hf and vllm engines (runs on CPU).
 
-One anytime rollout = thinking traces, then summaries at every budget cut of every trace. This
-script times both phases on a random tiny model (generation never stops early: no stop tokens),
-and the hf engine's summary phase with and without reuse of the thinking KV cache.
+One anytime rollout = thinking traces, then summaries at every budget cut of every trace. Two
+workloads on a random tiny model:
+
+- ``fixed``: generation never stops early (no stop tokens); times both phases, and the hf engine's
+  summary phase with and without reuse of the thinking KV cache.
+- ``natural`` (vllm): traces end at lengths drawn from a log-normal distribution, like a reasoning
+  model's (many short, a long tail, some reaching the largest budget), through the real anytime
+  rollout (`AnytimeRolloutRunner`), with summaries run after all thinking (phased) and streamed
+  (queued as each trace ends). A vLLM logits processor (`natural_lengths`) makes the random model
+  end each trace at its drawn length, a function of the trace's seed, so both schedules see the
+  same traces (checked: ``streamed_equals_phased``).
 
 Prints ``name: value`` lines:
-  summary_prefix_reuse_speedup  hf summary-phase time, naive re-prefill / prefix reuse
-  summary_overhead_hf           hf summary-phase time / thinking-phase time
-  summary_overhead_vllm         vllm summary-phase time / thinking-phase time
-  hf_tokens_per_s               thinking tokens per second, hf
-  vllm_tokens_per_s             thinking tokens per second, vllm
+  summary_prefix_reuse_speedup     hf summary-phase time, naive re-prefill / prefix reuse (fixed)
+  summary_overhead_hf              hf summary-phase time / thinking-phase time (fixed)
+  summary_overhead_vllm            vllm summary-phase time / thinking-phase time (fixed)
+  hf_tokens_per_s, vllm_tokens_per_s  thinking tokens per second (fixed)
+  summary_overhead_vllm_phased     natural: (rollout time − thinking time) / thinking time, phased
+  summary_overhead_vllm_streamed   natural: the same, streamed; "thinking time" is in both cases
+                                   the phased run's thinking phase (the same traces, alone)
+  rollout_s_streamed_over_phased   natural: rollout time (thinking + summaries, no verifier), streamed / phased
+  (medians over --repeats paired runs, alternating which schedule goes first)
 
-Usage: python benchmarks/rollout.py [--engines hf,vllm] [--prompts 8] [--traces 4] [--threads 1] ...
+Usage: python benchmarks/rollout.py [--workloads fixed,natural] [--engines hf,vllm] [--prompts 8] ...
 """
 
 from __future__ import annotations
@@ -63,7 +75,7 @@ def _run_engine(kind: str, model_dir: str, args, prompts, close) -> dict[str, fl
     budgets = [int(b) for b in args.budgets.split(",")]
     max_len = max(len(p) for p in prompts) + args.think + len(close) + args.summary_tokens + 8
     bind = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-    kwargs = {"cpu_threads_bind": bind} if kind == "vllm" else {}
+    kwargs = {"cpu_threads_bind": bind, "kv_cache_gb": args.kv_cache_gb} if kind == "vllm" else {}
     think = SamplingConfig(max_new_tokens=args.think, n=args.traces, temperature=1.0, seed=0)
     summ = SamplingConfig(max_new_tokens=args.summary_tokens, n=args.summaries, temperature=1.0, seed=1)
     res: dict[str, float] = {}
@@ -98,8 +110,105 @@ def _run_engine(kind: str, model_dir: str, args, prompts, close) -> dict[str, fl
     return res
 
 
+def natural_lengths(think_end: int, banned: tuple[int, ...], cap: int, median: float, sigma: float) -> type:
+    """A vLLM logits processor class ending each thinking request (one whose stop ids include
+    `think_end`) after a log-normal number of tokens (median `median`, log-sd `sigma`): the ids in
+    `banned` are masked before that length and `think_end` is forced at it (a draw past `cap`, the
+    largest budget, runs to the cap). The length is a function of the request's seed, so a seeded
+    trace has the same length whatever it is batched with. Summaries pass through untouched."""
+    import math
+
+    import numpy as np
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    def length_of(seed: int) -> int:
+        draw = np.random.default_rng(seed).lognormal(math.log(median), sigma)
+        return max(1, min(cap + 1, math.ceil(draw)))
+
+    class NaturalLengths(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:  # noqa: ANN001 (vLLM's signature)
+            self.rows: dict[int, tuple[int, list[int]]] = {}  # batch row -> (length, its live output ids)
+            self.banned = torch.tensor(banned, dtype=torch.long)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        @staticmethod
+        def _state(params, _prompt, output):  # noqa: ANN001, ANN205
+            if params.seed is None or think_end not in (params.stop_token_ids or ()):
+                return None
+            return length_of(params.seed), output
+
+        def update_state(self, batch_update) -> None:  # noqa: ANN001
+            process_dict_updates(self.rows, batch_update, self._state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            ban, force = [], []
+            for row, (length, output) in self.rows.items():
+                (force if len(output) + 1 >= length else ban).append(row)
+            if ban:
+                logits[torch.tensor(ban)[:, None], self.banned] = float("-inf")
+            if force:
+                logits[force] = float("-inf")
+                logits[force, think_end] = 0.0
+            return logits
+
+    return NaturalLengths
+
+
+def _run_natural(model_dir: str, args) -> dict[str, float]:
+    """Phased vs streamed anytime rollouts of the same seeds on one vLLM engine; medians of paired runs."""
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    from anytime.data import render_prompt
+    from anytime.reward import RewardScorer
+    from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings, token_id_of
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    think_end = token_id_of(tok, "</think>")
+    processor = natural_lengths(think_end, (think_end, tok.eos_token_id), budgets[-1],
+                                args.length_median * budgets[-1], args.length_sigma)
+    prompts = [render_prompt(tok, f"Start with {i}. Add {17 * i + 3}. What is the last digit?")
+               for i in range(args.prompts)]
+    golds = [str((18 * i + 3) % 10) for i in range(args.prompts)]
+    bind = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    max_len = max(len(p) for p in prompts) + budgets[-1] + args.summary_tokens + 32
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    same, lengths, capped = True, [], 0
+    with create_engine("vllm", model_dir, max_model_len=max_len, seed=0, cpu_threads_bind=bind,
+                       kv_cache_gb=args.kv_cache_gb, logits_processors=[processor]) as eng, RewardScorer(num_workers=1) as scorer:
+        runner = AnytimeRolloutRunner(eng, tok, scorer, AnytimeSettings(
+            budgets, args.traces, args.summaries, summary_max_tokens=args.summary_tokens))
+        eng.stream_summaries = True
+        runner.run(prompts[:2], golds[:2], seed=10_000)  # warm-up
+        for rep in range(args.repeats):
+            outs = {}
+            for stream in ((False, True) if rep % 2 == 0 else (True, False)):
+                eng.stream_summaries = stream
+                out = runner.run(prompts, golds, seed=rep)
+                outs[stream] = out
+                runs[stream].append((out.timings["gen"], out.timings["summaries"]))
+            same &= all(torch.equal(getattr(outs[False], k), getattr(outs[True], k))
+                        for k in ("think_ids", "think_len", "summary_ids", "summary_len", "scores"))
+            lengths += outs[True].think_len.flatten().tolist()
+            capped += int((~outs[True].natural_end).sum())
+    think = statistics.median(g for g, _ in runs[False])
+    rollout = {stream: statistics.median(g + s for g, s in runs[stream]) for stream in runs}
+    lengths.sort()
+    print(f"# natural: {len(lengths)} traces, lengths median {lengths[len(lengths) // 2]}, "
+          f"p90 {lengths[int(0.9 * len(lengths))]}, {capped} reached the largest budget; "
+          + "; ".join(f"{'streamed' if k else 'phased'} gen+summaries " + ", ".join(f"{g:.2f}+{s:.2f}" for g, s in v)
+                      for k, v in runs.items()), file=sys.stderr)
+    return {"think_s": think, "phased_s": rollout[False], "streamed_s": rollout[True], "same": float(same)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="fixed,natural", help="fixed (never stops), natural (vllm, log-normal lengths)")
     ap.add_argument("--engines", default="hf,vllm")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--traces", type=int, default=4)
@@ -107,6 +216,10 @@ def main() -> None:
     ap.add_argument("--budgets", default="256,512,768,1024")
     ap.add_argument("--summaries", type=int, default=4)
     ap.add_argument("--summary-tokens", type=int, default=16)
+    ap.add_argument("--length-median", type=float, default=0.25, help="natural: median length / largest budget")
+    ap.add_argument("--length-sigma", type=float, default=1.0, help="natural: sd of log length")
+    ap.add_argument("--repeats", type=int, default=3, help="natural: paired phased/streamed runs")
+    ap.add_argument("--kv-cache-gb", type=float, default=0.25, help="vllm KV cache (0.25 GiB: ~128k tokens here)")
     ap.add_argument(
         "--threads",
         type=int,
@@ -119,18 +232,22 @@ def main() -> None:
         ap.error("--threads must be >= 1")
     torch.set_num_threads(args.threads)
 
+    workloads = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]
     if "vllm" in engines and importlib.util.find_spec("vllm") is None:
         print("# vllm is not installed: skipping the vllm engine", file=sys.stderr)
         engines.remove("vllm")
 
+    results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build_tiny_model(tmp, _corpus(), hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=1))
-        prompts, close = _requests(model_dir, args.prompts)
-        # hf first: an in-process vLLM engine pins torch's threads for the rest of the process.
-        results = {
-            kind: _run_engine(kind, model_dir, args, prompts, close) for kind in ("hf", "vllm") if kind in engines
-        }
+        if "fixed" in workloads:
+            prompts, close = _requests(model_dir, args.prompts)
+            # hf first: an in-process vLLM engine pins torch's threads for the rest of the process.
+            results = {
+                kind: _run_engine(kind, model_dir, args, prompts, close) for kind in ("hf", "vllm") if kind in engines
+            }
+        natural = _run_natural(model_dir, args) if "natural" in workloads and "vllm" in engines else None
 
     if "hf" in results:
         hf = results["hf"]
@@ -142,6 +259,12 @@ def main() -> None:
         print(f"hf_tokens_per_s: {results['hf']['tokens_per_s']:.0f}")
     if "vllm" in results:
         print(f"vllm_tokens_per_s: {results['vllm']['tokens_per_s']:.0f}")
+    if natural is not None:
+        think = natural["think_s"]
+        print(f"summary_overhead_vllm_phased: {(natural['phased_s'] - think) / think:.3f}")
+        print(f"summary_overhead_vllm_streamed: {(natural['streamed_s'] - think) / think:.3f}")
+        print(f"rollout_s_streamed_over_phased: {natural['streamed_s'] / natural['phased_s']:.3f}")
+        print(f"streamed_equals_phased: {int(natural['same'])}")
 
 
 if __name__ == "__main__":

@@ -8,23 +8,30 @@ from transformers import AutoTokenizer
 from anytime.data import render_prompt
 from anytime.reward import RewardScorer
 from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
-from anytime.rollout.engine import create_engine
+from anytime.rollout.engine import RolloutEngine, create_engine
 
 
-class RecordingEngine:
-    """Delegates to a real engine and records the branch prompts it was asked for."""
+class RecordingEngine(RolloutEngine):
+    """A real engine behind the default (two-phase) `generate_anytime`; records the branch prompts."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.max_model_len = engine.max_model_len
+        self.max_model_len, self.max_prompt_len = engine.max_model_len, engine.max_prompt_len
+        self.vocab_size, self._weight_shapes = engine.vocab_size, engine._weight_shapes
         self.branch_prompts = []
 
-    def generate(self, prompts, params):
+    def _generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
-    def generate_branches(self, prefixes, branches, params):
+    def _generate_branches(self, prefixes, branches, params):
         self.branch_prompts = [[list(p[: b.cut]) + list(b.suffix) for b in bs] for p, bs in zip(prefixes, branches)]
         return self.engine.generate_branches(prefixes, branches, params)
+
+    def _load_weights(self, updates):
+        self.engine.update_weights(updates)
+
+    def close(self):
+        pass
 
 
 @pytest.fixture(scope="module")

@@ -403,6 +403,72 @@ def test_vllm_seeded_sampling_stops_and_raw_logprobs(vllm_engine, hf):
             assert_close_logprobs(c.logprobs, reference_logprobs(hf.model, prompt, c.token_ids), 1e-3)
 
 
+# Natural-length traces: with 4 stop ids the tiny model's 9 traces end after 19 to 76 tokens at
+# temperature 1 (3 reach the cap of 96), so traces end at different engine steps.
+NATURAL = SamplingConfig(max_new_tokens=96, n=3, temperature=1.0, stop_token_ids=(0, 131, 262, 393), seed=5)
+SUMMARY = SamplingConfig(max_new_tokens=10, n=2, temperature=1.0, seed=9)
+
+
+def anytime_plan(prompts, n, calls=None):
+    """Cut every trace at 16/48/96 tokens, like the anytime rollout: a forced close where a budget
+    really cuts, the header alone on budgets past the trace's end. Records when each call came."""
+    import time
+
+    def plan(k, trace):
+        if calls is not None:
+            calls.append(time.perf_counter())
+        offset, length = len(prompts[k // n]), len(trace.token_ids)
+        return [Branch(offset + min(b, length), (CLOSE, 7) if b < length else (7,)) for b in (16, 48, 96)]
+
+    return plan
+
+
+def assert_same_samples(a, b):
+    """Token-for-token equal samples (and equal finish reasons), log-probs equal to float noise."""
+    flat = [(x, y) for pa, pb in zip(a.traces, b.traces) for x, y in zip(pa, pb)]
+    flat += [(x, y) for ta, tb in zip(a.summaries, b.summaries) for ba, bb in zip(ta, tb) for x, y in zip(ba, bb)]
+    assert len(flat) == sum(map(len, a.traces)) + sum(len(s) for t in a.summaries for s in t)
+    for x, y in flat:
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert_close_logprobs(x.logprobs, y.logprobs, 1e-5)
+
+
+@pytest.mark.vllm
+def test_vllm_streamed_summaries_sample_what_two_phases_sample(vllm_engine):
+    """Streamed summaries (queued as each trace ends) give every trace and summary of the phased
+    path, token for token, for the same seeds; and they really start before the last trace ends."""
+    import time
+
+    timed = {}
+    for stream in (False, True):
+        vllm_engine.stream_summaries, calls = stream, []
+        start = time.perf_counter()
+        out = vllm_engine.generate_anytime(PROMPTS, NATURAL, anytime_plan(PROMPTS, 3, calls), SUMMARY)
+        timed[stream] = (out, [t - start for t in calls])
+    vllm_engine.stream_summaries = True
+    (phased, phased_calls), (streamed, streamed_calls) = timed[False], timed[True]
+    assert_same_samples(phased, streamed)
+    lengths = [len(c.token_ids) for per in streamed.traces for c in per]
+    assert len(set(lengths)) >= 5 and {c.finish_reason for per in streamed.traces for c in per} == {"stop", "length"}
+    assert all(len(branch) == 2 for trace in streamed.summaries for branch in trace) and len(streamed.summaries) == 9
+    assert min(phased_calls) >= phased.thinking_s  # two phases: planned after the thinking
+    assert min(streamed_calls) < streamed.thinking_s  # streamed: the first trace's summaries start early
+    assert 0 < streamed.thinking_s <= streamed.total_s
+
+
+@pytest.mark.vllm
+def test_vllm_streamed_plan_errors_leave_the_engine_clean(vllm_engine):
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0)
+    before = vllm_engine.generate(PROMPTS, greedy)
+    outside = lambda k, trace: [Branch(len(PROMPTS[k // 3]) + len(trace.token_ids) + 1, (CLOSE,))]  # noqa: E731
+    with pytest.raises(ValueError, match="outside prefix"):
+        vllm_engine.generate_anytime(PROMPTS, NATURAL, outside, SUMMARY)
+    uneven = lambda k, trace: [Branch(1, (CLOSE,))] * (1 + k % 2)  # noqa: E731
+    with pytest.raises(ValueError, match="same number of branches"):
+        vllm_engine.generate_anytime(PROMPTS, NATURAL, uneven, SUMMARY)
+    assert vllm_engine.generate(PROMPTS, greedy) == before  # nothing left over in the engine
+
+
 @pytest.mark.vllm
 def test_vllm_update_weights_matches_learner(vllm_engine, model_dir):
     new = perturbed_copy(model_dir)
@@ -475,6 +541,9 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
         first = eng.generate(PROMPTS, sampled)
         assert first == eng.generate(PROMPTS, sampled) == vllm_engine.generate(PROMPTS, sampled)
         assert first != eng.generate(PROMPTS, SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=6))
+        plan = anytime_plan(PROMPTS, 3)  # streamed: the engine is a client of its own process's core
+        assert_same_samples(eng.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY),
+                            vllm_engine.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY))
         new = perturbed_copy(model_dir)
         files_before = weight_files()
         eng.update_weights(new.state_dict().items())
@@ -489,7 +558,7 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
 
 def test_orphaned_weight_files_are_removed(tmp_path):
     pytest.importorskip("psutil")
-    from anytime.rollout.vllm import _remove_orphaned_weight_files
+    from anytime.rollout.weight_files import remove_orphaned_weight_files
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = tmp_path / f"anytime-weights-{int(dead.stdout)}-x.safetensors"
@@ -497,17 +566,17 @@ def test_orphaned_weight_files_are_removed(tmp_path):
     other = tmp_path / "unrelated.safetensors"
     for f in (orphan, live, other):
         f.write_bytes(b"0")
-    _remove_orphaned_weight_files([str(tmp_path)])
+    remove_orphaned_weight_files([str(tmp_path)])
     assert not orphan.exists() and live.exists() and other.exists()
 
 
 def test_weights_file_keeps_tied_and_sliced_tensors():
     from safetensors.torch import load_file
 
-    from anytime.rollout.vllm import _write_weights
+    from anytime.rollout.weight_files import write_weights
 
     emb, fused = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(6, 2)
-    path = _write_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),
+    path = write_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),
                            ("q", fused[:3]), ("k", fused[3:])])
     try:
         back = load_file(path)

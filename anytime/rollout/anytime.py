@@ -5,7 +5,8 @@ For each prompt, G traces stop at the tokenizer's `</think>` (or EOS) or at the 
 trace is cut at every budget b_j; the summary prompt of a cut is prompt + thinking[:b_j] + close
 tokens (only when the trace was really cut) + answer-header tokens. Budgets past a trace's natural
 end share one summary prompt (one prefix group). A summaries per budget are sampled through
-`engine.generate_branches`, so engines reuse the trace's prefix, and scored by the verifier.
+`engine.generate_anytime`, so engines reuse the trace's prefix (and, where the engine streams, start
+as soon as their trace ends), and scored by the verifier.
 
 The engine's `Completion`s are turned into one `AnytimeRollout` of padded tensors indexed
 [prompt B, trace G, budget S, summary A]; `anytime.learner.batch` turns that into a `TrainBatch`.
@@ -24,7 +25,7 @@ import torch
 from anytime import defaults
 from anytime.budget import validate_grid
 from anytime.reward import REASONS, RewardScorer, Verdict
-from anytime.rollout.engine import Branch, RolloutEngine, SamplingConfig
+from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig
 from anytime.rollout.seeding import request_seeds
 
 
@@ -193,31 +194,33 @@ class AnytimeRolloutRunner:
             raise ValueError(f"{len(index)} prompt indices for {B} prompts")
         timings: dict[str, float] = {}
 
-        start = time.perf_counter()
-        thinking = self.engine.generate(
-            prompts, SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature,
-                                    top_p=s.top_p, stop_token_ids=(self.think_end_id, *self.eos_ids),
-                                    request_seeds=request_seeds(seed, index)))
-        timings["gen"] = time.perf_counter() - start
-        traces = [c for per_prompt in thinking for c in per_prompt]            # [B·G]
-        natural = [bool(c.token_ids) and c.token_ids[-1] == self.think_end_id for c in traces]
-        eos = [bool(c.token_ids) and c.token_ids[-1] in self.eos_ids for c in traces]
+        plans: list[tuple[list[Branch], list[int]]] = [([], [])] * (B * G)
+        natural, eos = [False] * (B * G), [False] * (B * G)
 
-        prefixes, branch_lists, plans = [], [], []
-        for k, c in enumerate(traces):
-            branches, groups = self.summary_plan(len(c.token_ids), natural[k], eos[k], budgets)
-            prompt = list(prompts[k // G])
-            prefixes.append(prompt + list(c.token_ids))
-            branch_lists.append([Branch(len(prompt) + br.cut, br.suffix) for br in branches])
-            plans.append((branches, groups))
-        start = time.perf_counter()
-        sampled = self.engine.generate_branches(
-            prefixes, branch_lists,
+        def plan(k: int, trace: Completion) -> list[Branch]:
+            """Trace k's summary branches, asked for by the engine as soon as the trace ends."""
+            ids = trace.token_ids
+            natural[k] = bool(ids) and ids[-1] == self.think_end_id
+            eos[k] = bool(ids) and ids[-1] in self.eos_ids
+            plans[k] = self.summary_plan(len(ids), natural[k], eos[k], budgets)
+            offset = len(prompts[k // G])
+            return [Branch(offset + br.cut, br.suffix) for br in plans[k][0]]
+
+        out = self.engine.generate_anytime(
+            prompts,
+            SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature, top_p=s.top_p,
+                           stop_token_ids=(self.think_end_id, *self.eos_ids), request_seeds=request_seeds(seed, index)),
+            plan,
             SamplingConfig(max_new_tokens=s.summary_max_tokens, n=A, temperature=s.summary_temperature,
                            top_p=s.top_p, stop_token_ids=self.eos_ids,
                            request_seeds=request_seeds(seed + 1, [(p * G + g) * S + j for p in index
                                                                   for g in range(G) for j in range(S)])))
-        timings["summaries"] = time.perf_counter() - start
+        # Streamed summaries overlap the thinking: `gen` runs to the end of the last trace and
+        # `summaries` counts only the summary time after it (all of it when the engine runs phases).
+        timings["gen"] = out.thinking_s
+        timings["summaries"] = out.total_s - out.thinking_s
+        traces = [c for per_prompt in out.traces for c in per_prompt]            # [B·G]
+        sampled = out.summaries
 
         texts, gold_list, summaries = [], [], []
         for k, ((branches, _), per_branch) in enumerate(zip(plans, sampled)):

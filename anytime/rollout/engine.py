@@ -2,15 +2,20 @@
 
 Two requests cover the method: ``generate`` (thinking traces from prompts) and ``generate_branches``
 (summaries that share a thinking trace: each branch keeps ``prefix[:cut]``, appends forced tokens,
-and samples ``n`` completions). Engines differ only in how fast they serve them (transformers with
-a reused KV cache, vLLM with prefix caching); every engine validates requests identically, before any
-generation starts, so a bad batch never yields partial results.
+and samples ``n`` completions). ``generate_anytime`` composes them for the anytime rollout: traces,
+then the summaries a plan asks for on each trace. Its default runs two phases (all thinking, then
+all summaries); an engine that can queue a trace's summaries the moment that trace ends, while
+others still think (the official code's schedule), overrides it and samples the same tokens.
+Engines differ only in how fast they serve these requests (transformers with a reused KV cache,
+vLLM with prefix caching); every engine validates requests identically, before the generation they
+belong to starts, so a bad request never yields partial results.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +96,23 @@ class Branch:
         object.__setattr__(self, "suffix", tuple(int(t) for t in self.suffix))
 
 
+# plan(k, trace) -> the branches of trace k (k = prompt index · n + sample index) on the prefix
+# prompt + trace.token_ids; see `RolloutEngine.generate_anytime`.
+PlanFn = Callable[[int, Completion], Sequence[Branch]]
+
+
+@dataclass
+class AnytimeGeneration:
+    """What `RolloutEngine.generate_anytime` returns. When summaries stream, they overlap thinking:
+    `thinking_s` then includes that overlap and `total_s - thinking_s` is only the summary time
+    that did not overlap any thinking (all of the summary time when the engine runs two phases)."""
+
+    traces: list[list[Completion]]              # [prompt][sample]
+    summaries: list[list[list[Completion]]]     # [trace k][branch][summary sample]
+    thinking_s: float                           # from the call to the end of its last trace
+    total_s: float                              # from the call to the end of its last summary
+
+
 class EngineError(RuntimeError):
     """The engine (or its worker) failed while serving a request; no partial results are returned."""
 
@@ -112,8 +134,7 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingConfig) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt; result is indexed ``[prompt][sample]``."""
         self._check_open()
-        for i, prompt in enumerate(prompts):
-            self._check_prompt(f"prompts[{i}]", prompt, params, check_prompt_len=True)
+        self._check_prompts(prompts, params)
         if not prompts:
             return []
         return self._generate([list(p) for p in prompts], params)
@@ -132,19 +153,36 @@ class RolloutEngine(abc.ABC):
             )
         for i, (prefix, brs) in enumerate(zip(prefixes, branches)):
             self._check_ids(f"prefixes[{i}]", prefix)
-            for j, br in enumerate(brs):
-                if not 0 <= br.cut <= len(prefix):
-                    raise ValueError(
-                        f"branches[{i}][{j}].cut={br.cut} is outside prefix {i} (length {len(prefix)}): "
-                        f"use a cut in [0, {len(prefix)}]"
-                    )
-                prompt = list(prefix[: br.cut]) + list(br.suffix)
-                self._check_prompt(
-                    f"branches[{i}][{j}] (prefix[:cut] + suffix)", prompt, params, check_prompt_len=False
-                )
+            self._check_branches(i, prefix, brs, params)
         if not any(branches):
             return [[] for _ in prefixes]
         return self._generate_branches([list(p) for p in prefixes], [list(b) for b in branches], params)
+
+    def generate_anytime(
+        self,
+        prompts: Sequence[Sequence[int]],
+        thinking: SamplingConfig,
+        plan: PlanFn,
+        summary: SamplingConfig,
+    ) -> AnytimeGeneration:
+        """``thinking.n`` traces per prompt, then ``summary.n`` samples of every branch that
+        ``plan(k, trace)`` returns for trace k (k = prompt index · thinking.n + sample index), on the
+        prefix ``prompts[k // thinking.n] + trace.token_ids``.
+
+        ``plan`` is called once per trace, in any order, and must give every trace the same number
+        of branches: branch j of trace k is request ``k · branches + j`` of ``summary`` (its seed in
+        ``summary.request_seeds``), exactly as if all branches went to one ``generate_branches``
+        call. This default runs the two phases one after the other; an engine that streams must
+        sample the same tokens for the same seeds."""
+        start = time.perf_counter()
+        traces = self.generate(prompts, thinking)
+        thinking_s = time.perf_counter() - start
+        prefixes, branches = [], []
+        for k, trace in enumerate(t for per_prompt in traces for t in per_prompt):
+            prefixes.append(list(prompts[k // thinking.n]) + trace.token_ids)
+            branches.append(planned(plan, k, trace, len(branches[0]) if branches else None))
+        summaries = self.generate_branches(prefixes, branches, summary)
+        return AnytimeGeneration(traces, summaries, thinking_s, time.perf_counter() - start)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy learner weights (Hugging Face parameter names) into the engine's model. Unknown names
@@ -202,6 +240,22 @@ class RolloutEngine(abc.ABC):
         if self.closed:
             raise EngineError(f"{type(self).__name__} is closed: create a new engine to generate")
 
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingConfig) -> None:
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(f"prompts[{i}]", prompt, params, check_prompt_len=True)
+
+    def _check_branches(self, i: int, prefix: Sequence[int], branches: Sequence[Branch],
+                        params: SamplingConfig) -> None:
+        """Branch prompts of prefix i (its ids already checked) must fit the engine."""
+        for j, br in enumerate(branches):
+            if not 0 <= br.cut <= len(prefix):
+                raise ValueError(
+                    f"branches[{i}][{j}].cut={br.cut} is outside prefix {i} (length {len(prefix)}): "
+                    f"use a cut in [0, {len(prefix)}]"
+                )
+            prompt = list(prefix[: br.cut]) + list(br.suffix)
+            self._check_prompt(f"branches[{i}][{j}] (prefix[:cut] + suffix)", prompt, params, check_prompt_len=False)
+
     def _check_ids(self, what: str, ids: Sequence[int]) -> None:
         bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
         if bad:
@@ -226,6 +280,16 @@ class RolloutEngine(abc.ABC):
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
+
+
+def planned(plan: PlanFn, k: int, trace: Completion, expected: int | None) -> list[Branch]:
+    """`plan`'s branches for trace k, which must number `expected` (None: the first trace)."""
+    branches = list(plan(k, trace))
+    if expected is not None and len(branches) != expected:
+        raise ValueError(f"the plan gave trace {k} {len(branches)} branches but an earlier trace {expected}: "
+                         "generate_anytime needs the same number of branches for every trace (their seeds "
+                         "are numbered trace · branches + branch)")
+    return branches
 
 
 def _check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_positions: int | None) -> None:

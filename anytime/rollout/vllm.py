@@ -3,6 +3,9 @@
 Summaries share their thinking trace through vLLM's automatic prefix caching, so
 ``generate_branches`` simply submits every ``prefix[:cut] + suffix`` prompt in one batch; only the
 tokens past the last full KV block before each cut are recomputed (hence a small block size on CPU).
+``generate_anytime`` streams: it drives vLLM's ``LLMEngine`` step by step and adds a trace's summary
+requests right after the step that ended the trace, while the trace's blocks are still cached and
+other traces still think (the official AnytimeReasoner schedule).
 A lone learner runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): learner weights reach
 the worker by reference through ``collective_rpc``. Inside a multi-process learner (a default process
 group of world size > 1) the engine gets a process of its own instead, because vLLM would otherwise
@@ -17,31 +20,30 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
+import itertools
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from anytime.rollout.engine import (
+    AnytimeGeneration,
     Branch,
     Completion,
     EngineError,
+    PlanFn,
     RolloutEngine,
     SamplingConfig,
     _check_lengths,
 )
+from anytime.rollout.streaming import AnytimeStream, Request
+from anytime.rollout.weight_files import remove_orphaned_weight_files, write_weights
 
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-_SHM = "/dev/shm"
-_WEIGHTS_PREFIX = "anytime-weights-"
 _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no float64)
 
 
@@ -101,44 +103,6 @@ class NcclWeightSender:
         torch.cuda.synchronize()
 
 
-def _write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
-    """Write weights to a fresh safetensors file for the engine process, in RAM (/dev/shm) when it
-    has room; the caller deletes it. Tensors that share storage with an earlier one (tied embeddings)
-    are copied, since safetensors refuses shared storage."""
-    from safetensors.torch import save_file
-
-    storages: set[int] = set()
-    tensors = {}
-    for name, t in updates:
-        t = t.detach().to("cpu").contiguous()
-        if t.untyped_storage().data_ptr() in storages:
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[name] = t
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    where = _SHM if os.path.isdir(_SHM) and shutil.disk_usage(_SHM).free > 2 * size else None
-    fd, path = tempfile.mkstemp(prefix=f"{_WEIGHTS_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=where)
-    os.close(fd)
-    try:
-        save_file(tensors, path)
-    except BaseException:
-        os.unlink(path)
-        raise
-    return path
-
-
-def _remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
-    """Delete weight files left by a process that was killed mid-sync (its pid is in the name)."""
-    import psutil  # a vLLM dependency
-
-    for folder in set(folders or (_SHM, tempfile.gettempdir())):
-        for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*.safetensors")):
-            pid = os.path.basename(path)[len(_WEIGHTS_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and not psutil.pid_exists(int(pid)):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-
 def _inside_process_group() -> bool:
     from anytime.dist import rank_world
 
@@ -174,6 +138,8 @@ class VLLMEngine(RolloutEngine):
             process, so it only takes effect for the first engine a process starts.
         own_process: run the engine in a process of its own; default: only inside a multi-process
             learner (see the module docstring).
+        stream_summaries: ``generate_anytime`` queues a trace's summaries the moment it ends (default);
+            False runs the two phases one after the other (same samples; for comparisons).
         llm_kwargs: passed to ``vllm.LLM`` unchanged.
     """
 
@@ -191,6 +157,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: bool | None = None,
         cpu_threads_bind: str | None = None,
         own_process: bool | None = None,
+        stream_summaries: bool = True,
         **llm_kwargs: Any,
     ) -> None:
         from transformers import AutoConfig
@@ -207,7 +174,7 @@ class VLLMEngine(RolloutEngine):
         if self.own_process:
             # fork() of a process that runs gloo/OpenMP threads can deadlock the child
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-            _remove_orphaned_weight_files()
+            remove_orphaned_weight_files()
         if cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
         try:
@@ -272,6 +239,8 @@ class VLLMEngine(RolloutEngine):
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
             watch(children() - before)
+        self.stream_summaries = stream_summaries
+        self._request_ids = itertools.count()
         self._closed = False
 
     @staticmethod
@@ -283,60 +252,90 @@ class VLLMEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config)
         return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
-    # ---- generation ---------------------------------------------------------------------------
+    # ---- generation ----------------------------------------------------------------------------
+    # Every call goes through `_serve`: one vLLM request per sample, added to the engine directly, so
+    # a streamed call can add a trace's summaries between two engine steps and a phased call submits
+    # exactly the same requests.
     @staticmethod
-    def _sampling_params(params: SamplingConfig, num_requests: int) -> list[Any]:
-        """One SamplingParams per request. A seeded call gives every request its own seed (from its
-        global index, see `anytime.rollout.seeding`): samples then do not depend on how the scheduler
-        batches requests or which worker serves them, and no two requests share a random stream."""
+    def _sampling_params(params: SamplingConfig, seed: int | None) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        seeds: list[int | None] = params.seeds_for(num_requests) or [None] * num_requests
-        return [
-            SamplingParams(
-                n=params.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=list(params.stop_token_ids),
-                ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
-                logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
-                detokenize=False,
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        return SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
+            logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
+            detokenize=False,
+            seed=seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step copies of the growing outputs
+        )
 
-    def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
-        if params.greedy and params.n > 1:
-            # vLLM refuses n > 1 for greedy requests; the n samples are identical anyway.
-            single = self._run([p for p in prompts for _ in range(params.n)],
-                               replace(params, n=1, seed=None, request_seeds=None))
-            return [[c[0] for c in single[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
+    def _serve(self, requests: Sequence[Request],
+               finished: Callable[[Request, int, Completion], Sequence[Request]]) -> None:
+        """Run `requests` to the end: every sample is a vLLM request of its own, seeded `seed + sample`
+        (vLLM's own rule for n > 1, so a seed means what it meant before), so samples do not depend on
+        how the scheduler batches them. Each finished sample goes to `finished`; the requests it returns
+        join the running batch at the next engine step. Anything that fails aborts what is in flight,
+        so the engine is clean for the next call."""
         from vllm.inputs import TokensPrompt
 
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        engine = self._llm.llm_engine
+        pending: dict[str, tuple[Request, int]] = {}
+
+        def add(batch: Sequence[Request]) -> None:
+            samples = [(r, a) for r in batch for a in range(r.params.n)]
+            if not samples:
+                return
+            try:
+                inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=r.prompt) for r, _ in samples])
+                for (r, a), rendered in zip(samples, inputs):
+                    rid = f"anytime-{next(self._request_ids)}"
+                    engine.add_request(rid, rendered,
+                                       self._sampling_params(r.params, None if r.seed is None else r.seed + a))
+                    pending[rid] = (r, a)
+            except Exception as e:
+                raise EngineError(f"vLLM refused a request: {type(e).__name__}: {e}") from e
+
         try:
-            outputs = self._llm.generate(requests, self._sampling_params(params, len(requests)), use_tqdm=False)
-        except Exception as e:
-            raise EngineError(f"vLLM generation failed: {type(e).__name__}: {e}") from e
-        if len(outputs) != len(prompts):
-            raise EngineError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
-        return [self._completions(out, params.n) for out in outputs]
+            add(requests)
+            while pending:
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    raise EngineError(f"vLLM generation failed: {type(e).__name__}: {e}") from e
+                for out in outputs:
+                    if out.finished:
+                        request, sample = pending.pop(out.request_id)
+                        add(finished(request, sample, self._completion(out)))
+        except BaseException:
+            if pending:
+                with contextlib.suppress(Exception):  # the original error matters, not this one
+                    engine.abort_request(list(pending), internal=False)
+            raise
 
     @staticmethod
-    def _completions(request_output: Any, n: int) -> list[Completion]:
-        outs = sorted(request_output.outputs, key=lambda o: o.index)
-        if len(outs) != n:
-            raise EngineError(f"vLLM returned {len(outs)} samples for a request of n={n}")
-        result = []
-        for o in outs:
-            if o.finish_reason not in ("stop", "length"):
-                raise EngineError(f"vLLM request finished with {o.finish_reason!r} (stop reason {o.stop_reason!r})")
-            ids = list(o.token_ids)
-            logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
-            result.append(Completion(token_ids=ids, logprobs=logprobs, finish_reason=o.finish_reason))
-        return result
+    def _completion(request_output: Any) -> Completion:
+        (o,) = request_output.outputs
+        if o.finish_reason not in ("stop", "length"):
+            raise EngineError(f"vLLM request finished with {o.finish_reason!r} (stop reason {o.stop_reason!r})")
+        ids = list(o.token_ids)
+        logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=o.finish_reason)
+
+    def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
+        seeds = params.seeds_for(len(prompts)) or [None] * len(prompts)
+        results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
+
+        def finished(request: Request, sample: int, completion: Completion) -> list[Request]:
+            results[request.key[0]][sample] = completion
+            return []
+
+        self._serve([Request((i,), p, seed, params) for i, (p, seed) in enumerate(zip(prompts, seeds))], finished)
+        return results  # type: ignore[return-value]
 
     def _generate(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
         return self._run(prompts, params)
@@ -348,10 +347,23 @@ class VLLMEngine(RolloutEngine):
         flat = iter(self._run(prompts, params))
         return [[next(flat) for _ in brs] for brs in branches]
 
+    def generate_anytime(
+        self, prompts: Sequence[Sequence[int]], thinking: SamplingConfig, plan: PlanFn, summary: SamplingConfig
+    ) -> AnytimeGeneration:
+        """Streamed (unless ``stream_summaries`` is off): a trace's summary requests enter the engine
+        as soon as the trace ends and share its prefix cache while other traces still think. Same
+        requests and seeds as the two-phase default, hence the same samples."""
+        if not self.stream_summaries:
+            return super().generate_anytime(prompts, thinking, plan, summary)
+        self._check_open()
+        stream = AnytimeStream(self, prompts, thinking, plan, summary)
+        self._serve(stream.requests(), stream.finished)
+        return stream.result()
+
     # ---- weights and memory -------------------------------------------------------------------
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the running engine and drop the prefix cache (its KV blocks came from the old weights)."""
-        payload = _write_weights(updates) if self.own_process else updates
+        payload = write_weights(updates) if self.own_process else updates
         try:
             self._llm.collective_rpc("anytime_load_weights", args=(payload,))
             self._llm.reset_prefix_cache()

@@ -1,0 +1,54 @@
+"""Weights for a rollout engine in another process: a safetensors file in RAM (/dev/shm) that the
+engine loads and the sender deletes, and the clean-up of files left by a sender that was killed."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+import torch
+
+_SHM = "/dev/shm"
+_WEIGHTS_PREFIX = "anytime-weights-"
+
+
+def write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
+    """Write weights to a fresh safetensors file for the engine process, in RAM (/dev/shm) when it
+    has room; the caller deletes it. Tensors that share storage with an earlier one (tied embeddings)
+    are copied, since safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+
+    storages: set[int] = set()
+    tensors = {}
+    for name, t in updates:
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    where = _SHM if os.path.isdir(_SHM) and shutil.disk_usage(_SHM).free > 2 * size else None
+    fd, path = tempfile.mkstemp(prefix=f"{_WEIGHTS_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=where)
+    os.close(fd)
+    try:
+        save_file(tensors, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
+    """Delete weight files left by a process that was killed mid-sync (its pid is in the name)."""
+    import psutil  # a vLLM dependency
+
+    for folder in set(folders or (_SHM, tempfile.gettempdir())):
+        for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*.safetensors")):
+            pid = os.path.basename(path)[len(_WEIGHTS_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)

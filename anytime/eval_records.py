@@ -52,14 +52,15 @@ def sample_records(rollout: Any, runner: Any, rows: Sequence[Any], *, first_inde
     for b, (row, traces) in enumerate(zip(rows, rollout.traces)):
         for g, trace in enumerate(traces):
             length = len(trace.token_ids)
-            eos_end = bool(getattr(trace, "eos_end", False))
+            eos_end = bool(trace.eos_end)
             per_budget = []
             for j, budget in enumerate(rollout.budgets):
                 summaries = rollout.summaries[b][g][j]
                 cut = summaries[0].cut
                 per_budget.append({
                     "budget": budget, "cut": cut,
-                    # the rollout scores such a cut 0 whatever the text says (EOS inside the thinking)
+                    # the rollout scores such a cut 0 whatever the text says (EOS inside the thinking);
+                    # this mirrors its rule, which no Summary field records yet
                     "forced_zero": eos_end and cut >= length - 1,
                     "summaries": [{"text": runner.summary_text(trace, Branch(s.cut, tuple(s.inserted_ids)), s.token_ids),
                                    "answer": s.verdict.parsed, "score": float(s.verdict.score),

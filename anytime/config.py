@@ -201,6 +201,7 @@ class EvalConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     seed: int = 12345                   # sampling seed of the held-out eval (fixed across steps)
+    max_sample_records: int = 200       # per-sample records kept per eval (eval_samples/step_N.jsonl); 0 = none
 
 
 @dataclass
@@ -411,6 +412,8 @@ def validate(r: Recipe) -> None:
                        ("learner.pipeline.microbatches", r.learner.pipeline.microbatches),
                        ("eval.samples", r.eval.samples)):
         _require(value > 0, f"`{key}` must be a positive integer, got {value}")
+    _require(r.eval.max_sample_records >= 0,
+             f"`eval.max_sample_records` must be >= 0 (0 writes no eval samples), got {r.eval.max_sample_records}")
     _require(r.rollout.temperature > 0, f"`rollout.temperature` must be > 0, got {r.rollout.temperature}")
     _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
     _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")

@@ -1,172 +1,233 @@
 """Score models on math benchmarks across thinking budgets (forced summary at every cut).
 
 `anytime eval --model M [--model M2] --benchmarks aime24,math500 --budgets 250:8000:250 --samples N
---engine hf|vllm --out DIR` writes results.json, results.csv, results.md and accuracy_vs_budget.png.
-The trainer's in-training eval calls `evaluate_rows` — the same code path.
+--engine hf|vllm --out DIR` writes results.json, results.csv, results.md, accuracy_vs_budget.png and
+samples.jsonl (one record per model × benchmark × problem × sample, see `anytime.eval_records`).
+`--recipe RECIPE` takes the settings of a training recipe's in-training eval; `--model` may be a
+training checkpoint (exported on the fly); `anytime eval --rescore DIR` re-verifies DIR/samples.jsonl
+without generating and rewrites the results. The trainer's in-training eval calls `evaluate_rows` —
+the same code path.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
-import logging
-import math
+import os
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from anytime.budget import anytime_score, area_under_curve, parse_grid
 from anytime import defaults
 from anytime.data import PromptRow, encode_prompts
-from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
+from anytime.eval_options import (
+    EvalOptions,
+    add_option_arguments,
+    model_folder,
+    model_max_len,
+    resolve_options,
+    summary_room,
+)
+from anytime.eval_records import (
+    SAMPLES_FILE,
+    Record,
+    aggregate,
+    dump_records,
+    group_records,
+    pass_at_k,
+    read_samples,
+    rescore_records,
+    sample_records,
+    write_samples,
+)
 
-log = logging.getLogger(__name__)
+__all__ = ["evaluate_rows", "pass_at_k", "rescore_dir", "write_results", "write_samples"]
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def evaluate_rows(runner: AnytimeRolloutRunner, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
+def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
                   instruction: str = defaults.INSTRUCTION, max_prompt_len: int = 1024, batch_prompts: int = 32,
                   seed: int = 0, probs: Sequence[float] | None = None,
                   on_batch: Callable[[int], None] | None = None,
-                  limit_name: str = "data.max_prompt_len") -> dict[str, Any]:
-    """Per-budget accuracy, anytime/final accuracy, thinking length, pass@k and verifier failures."""
+                  limit_name: str = "data.max_prompt_len", records: list[Record] | None = None,
+                  tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Per-budget accuracy, anytime/final accuracy, AUC, thinking length, pass@k and verifier failures
+    (`eval_records.aggregate`) of `rows` under `runner` (an `AnytimeRolloutRunner`).
+
+    When `records` is a list, the per-sample records are appended to it, each starting with `tags`
+    (the CLI tags model and benchmark; the trainer may tag benchmark and step) — see `write_samples`.
+    """
     budgets = list(budgets)
     prompts = encode_prompts(tokenizer, rows, instruction, max_prompt_len, limit_name)
-    per_problem_correct: list[list[float]] = []     # [problem][sample] at the final budget
-    budget_sum = [0.0] * len(budgets)
-    lengths: list[int] = []
-    failures: Counter = Counter()
-    count = 0
+    mine: list[Record] = []
     for start in range(0, len(rows), batch_prompts):
         chunk = rows[start:start + batch_prompts]
         rollout = runner.run(prompts[start:start + batch_prompts], [r.answer for r in chunk], budgets,
                              seed=seed + start)
-        scores = rollout.scores  # [B, G, S, A]
-        for j in range(len(budgets)):
-            budget_sum[j] += float(scores[:, :, j].mean(-1).sum())
-        count += scores.shape[0] * scores.shape[1]
-        final = scores[:, :, -1].mean(-1)
-        per_problem_correct.extend(final.tolist())
-        lengths.extend(rollout.thinking_lengths())
-        failures.update(rollout.failure_reasons())
+        mine.extend(sample_records(rollout, runner, chunk, first_index=start, tags=tags))
         if on_batch is not None:
             on_batch(len(chunk))
-    acc = [s / max(count, 1) for s in budget_sum]
-    n = len(per_problem_correct[0]) if per_problem_correct else 0
-    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, n) if 1 <= k <= n})
-    pass_k = {f"pass@{k}": sum(pass_at_k(n, int(round(sum(c))), k) for c in per_problem_correct)
-              / max(len(per_problem_correct), 1) for k in ks}
-    return {
-        "problems": len(rows),
-        "samples": n,
-        "budgets": budgets,
-        "accuracy": acc,
-        "anytime_accuracy": anytime_score(acc, probs),
-        "area_under_curve": area_under_curve(budgets, acc),
-        "final_accuracy": acc[-1],
-        "avg_thinking_length": sum(lengths) / max(len(lengths), 1),
-        **pass_k,
-        "failures": dict(failures),
-    }
+    if records is not None:
+        records.extend(mine)
+    return aggregate(mine, budgets, probs)
 
 
 # --- the `anytime eval` command ---------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", action="append", required=True, help="model folder or hub name (repeatable)")
-    parser.add_argument("--benchmarks", default="aime24,amc22,math500,minerva,olympiadbench")
-    parser.add_argument("--budgets", default="250:8000:250", help="START:STOP:STEP or a comma list")
-    parser.add_argument("--samples", type=int, default=1, help="thinking traces per problem")
-    parser.add_argument("--summaries", type=int, default=1, help="summaries per budget")
-    parser.add_argument("--summary-max-tokens", type=int, default=defaults.SUMMARY_MAX_TOKENS)
-    parser.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--data-dir", default=None, help="local benchmark files instead of the hub")
-    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--model", action="append", default=None,
+                        help="model folder, hub name or training checkpoint (step_N/); repeatable")
+    parser.add_argument("--out", default=None, help="output folder")
+    parser.add_argument("--rescore", default=None, metavar="DIR",
+                        help=f"re-verify DIR/{SAMPLES_FILE} (e.g. after a verifier fix) without generating, "
+                             "and rewrite DIR's results")
+    add_option_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-len", type=int, default=1024)
     parser.add_argument("--batch-prompts", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--instruction", default=defaults.INSTRUCTION)
-    parser.add_argument("--close-text", default=defaults.CLOSE_TEXT)
-    parser.add_argument("--header", default=defaults.HEADER)
-
-
-def _model_max_len(path: str) -> int | None:
-    from transformers import AutoConfig
-
-    try:
-        return int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0)) or None
-    except OSError as exc:
-        raise FileNotFoundError(f"model {path!r} not found (neither a local folder nor a reachable hub name): {exc}") from None
-
-
-def _summary_room(model: str, args: argparse.Namespace) -> int:
-    """Tokens a summary request adds after the thinking: the inserted close and header, and the summary."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    inserted = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (args.close_text, args.header))
-    return inserted + args.summary_max_tokens
+    parser.add_argument("--verifier-workers", type=int, default=None, help="default: all cores")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rescore is not None:
+        if args.model:
+            raise ValueError("--rescore DIR re-verifies the samples already in DIR; drop --model")
+        rescore_dir(args.rescore, num_workers=args.verifier_workers)
+        print((Path(args.rescore) / "results.md").read_text())
+        return 0
+    if not args.model or not args.out:
+        raise ValueError("give --model M (repeatable) and --out DIR, or --rescore DIR")
+    if len(set(args.model)) < len(args.model):
+        raise ValueError(f"--model given twice with the same value: {args.model}; results are keyed by model")
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     from anytime.benchmarks import load_benchmark
     from anytime.reward import RewardScorer
-    from anytime.rollout.engine import create_engine
 
-    budgets = parse_grid(args.budgets)
+    opts = resolve_options(args)
+    budgets = list(opts.budgets)
     out = Path(args.out)
-    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    data = {name: load_benchmark(name, data_dir=args.data_dir, limit=args.limit, seed=args.seed) for name in names}
-    for model in args.model:  # fail before any generation
-        limit = _model_max_len(model)
-        extra = _summary_room(model, args)
+    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=args.seed)
+            for name in opts.benchmarks}
+    limits = {model: model_max_len(model) for model in args.model}  # fail before any generation
+    rooms = {model: summary_room(model, opts) for model in args.model}
+    for model, limit in limits.items():
+        extra = rooms[model]
         if limit is not None and budgets[-1] + extra > limit:
             raise ValueError(f"largest budget {budgets[-1]} (+{extra} summary tokens) exceeds model {model!r}'s "
                              f"max length {limit}; lower --budgets")
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"budgets": budgets, "samples": args.samples, "temperature": args.temperature,
-                               "seed": args.seed, "models": {}}
+    results: dict[str, Any] = {"budgets": budgets, "samples": opts.samples, "temperature": opts.temperature,
+                               "seed": args.seed, "settings": {**dataclasses.asdict(opts), "recipe": args.recipe},
+                               "models": {}}
     total = len(args.model) * sum(len(r) for r in data.values())
-    with RewardScorer(header=args.header.strip()) as scorer, tqdm(total=total, desc="eval", unit="problem") as bar:
-        for model in args.model:
-            tokenizer = AutoTokenizer.from_pretrained(model)
-            limit = _model_max_len(model)
-            max_len_needed = args.max_prompt_len + budgets[-1] + _summary_room(model, args)
-            engine_len = min(max_len_needed, limit) if limit else max_len_needed
-            settings = AnytimeSettings(tuple(budgets), args.samples, args.summaries, args.summary_max_tokens,
-                                       close_text=args.close_text, header=args.header, temperature=args.temperature,
-                                       top_p=args.top_p, summary_temperature=args.temperature, seed=args.seed)
-            with create_engine(args.engine, model, max_model_len=engine_len, max_prompt_len=args.max_prompt_len,
-                               dtype=args.dtype, seed=args.seed) as engine:
-                runner = AnytimeRolloutRunner(engine, tokenizer, scorer, settings)
-                per_bench = {}
-                for name, rows in data.items():
-                    start = time.perf_counter()
-                    per_bench[name] = evaluate_rows(runner, tokenizer, rows, budgets=budgets,
-                                                    instruction=args.instruction, max_prompt_len=args.max_prompt_len,
-                                                    batch_prompts=args.batch_prompts, seed=args.seed,
-                                                    on_batch=bar.update, limit_name="--max-prompt-len")
-                    per_bench[name]["seconds"] = time.perf_counter() - start
-            results["models"][model] = per_bench
+    samples_tmp = out / (SAMPLES_FILE + ".tmp")
+    try:
+        with RewardScorer(num_workers=args.verifier_workers, header=opts.header.strip(),
+                          think_end=opts.think_end) as scorer, \
+                tqdm(total=total, desc="eval", unit="problem") as bar, samples_tmp.open("w", encoding="utf-8") as f:
+            for model in args.model:
+                max_len = opts.max_prompt_len + budgets[-1] + rooms[model]
+                max_len = min(max_len, limits[model]) if limits[model] else max_len
+                with model_folder(model, out) as folder:
+                    results["models"][model] = _evaluate_model(model, folder, max_len, opts, data, scorer, args,
+                                                               bar.update, f)
+        os.replace(samples_tmp, out / SAMPLES_FILE)
+    finally:
+        samples_tmp.unlink(missing_ok=True)  # no half-written samples file left behind
     write_results(results, out)
     print((out / "results.md").read_text())
     return 0
+
+
+def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, data: Mapping[str, Sequence[PromptRow]],
+                    scorer: Any, args: argparse.Namespace, on_batch: Callable[[int], None],
+                    samples: IO[str]) -> dict[str, Any]:
+    """One model on every benchmark: results per benchmark; its records are appended to `samples`
+    as they come (a paper-size eval holds ~10^5 of them)."""
+    from transformers import AutoTokenizer
+
+    from anytime.rollout.anytime import AnytimeRolloutRunner
+    from anytime.rollout.engine import create_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    per_bench = {}
+    with create_engine(opts.engine, folder, max_model_len=max_len, max_prompt_len=opts.max_prompt_len,
+                       dtype=opts.dtype, seed=args.seed) as engine:
+        runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(args.seed))
+        for name, rows in data.items():
+            start = time.perf_counter()
+            records: list[Record] = []
+            per_bench[name] = evaluate_rows(runner, tokenizer, rows, budgets=opts.budgets,
+                                            instruction=opts.instruction, max_prompt_len=opts.max_prompt_len,
+                                            batch_prompts=args.batch_prompts, seed=args.seed, on_batch=on_batch,
+                                            limit_name="--max-prompt-len", records=records,
+                                            tags={"model": model, "benchmark": name})
+            per_bench[name]["seconds"] = time.perf_counter() - start
+            dump_records(records, samples)
+    return per_bench
+
+
+def rescore_dir(folder: str | Path, *, num_workers: int | None = None) -> dict[str, Any]:
+    """Re-verify every summary text of `folder/samples.jsonl` with the current verifier (same header
+    and thinking marker as the run), recompute each model × benchmark's aggregates from the records
+    and rewrite samples.jsonl and the results. Unchanged verdicts reproduce results.json exactly."""
+    from anytime.reward import RewardScorer
+
+    folder = Path(folder)
+    results_path = folder / "results.json"
+    if not results_path.is_file():
+        raise FileNotFoundError(f"{str(results_path)!r} does not exist; --rescore takes the --out folder of an "
+                                "`anytime eval` run")
+    results = json.loads(results_path.read_text())
+    records = read_samples(folder / SAMPLES_FILE)
+    groups = group_records(records)
+    expected = {(m, b) for m, per_bench in results["models"].items() for b in per_bench}
+    if set(groups) != expected:
+        raise ValueError(f"{folder / SAMPLES_FILE} holds records of {sorted(map(str, groups))} but results.json "
+                         f"has {sorted(map(str, expected))}; rescoring needs every sample of every benchmark")
+    settings = results.get("settings", {})
+    defaults = EvalOptions()
+    with RewardScorer(num_workers=num_workers, header=settings.get("header", defaults.header).strip(),
+                      think_end=settings.get("think_end", defaults.think_end)) as scorer:
+        rescored, changed = rescore_records(records, scorer)
+    for (model, bench), group in group_records(rescored).items():
+        results["models"][model][bench].update(aggregate(group, results["budgets"]))
+    write_samples(rescored, folder / SAMPLES_FILE)
+    write_results(results, folder)
+    total = sum(len(e["summaries"]) for r in records for e in r["budgets"])
+    print(f"re-verified {total} summaries of {len(records)} samples in {folder}: {changed} verdicts changed")
+    return results
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+def table_budgets(budgets: Sequence[int], at_most: int = 4) -> list[int]:
+    """A few budgets for the table: all when there are at most `at_most`, else those nearest to a
+    quarter, half, three quarters and all of the largest budget."""
+    budgets = list(budgets)
+    if len(budgets) <= at_most:
+        return budgets
+    picked = [min(budgets, key=lambda b: abs(b - budgets[-1] * (q + 1) / at_most)) for q in range(at_most)]
+    return sorted(set(picked))
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """The markdown table: anytime accuracy, AUC, accuracy at a few budgets, pass@1, length, failures."""
+    budgets = results["budgets"]
+    shown = table_budgets(budgets)
+    head = ["model", "benchmark", "anytime acc", "AUC", *(f"acc@{b}" for b in shown), "pass@1", "avg think len",
+            "failures"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, per_bench in results["models"].items():
+        for name, r in per_bench.items():
+            fails = ", ".join(f"{k}: {v}" for k, v in sorted(r["failures"].items()) if k != "correct")
+            cells = [Path(model).name or model, name, f"{r['anytime_accuracy']:.3f}", f"{r['area_under_curve']:.3f}",
+                     *(f"{r['accuracy'][budgets.index(b)]:.3f}" for b in shown), f"{r.get('pass@1', 0):.3f}",
+                     f"{r['avg_thinking_length']:.1f}", fails]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_results(results: dict[str, Any], out: Path) -> None:
@@ -180,15 +241,7 @@ def write_results(results: dict[str, Any], out: Path) -> None:
             for name, r in per_bench.items():
                 for b, a in zip(budgets, r["accuracy"]):
                     writer.writerow([model, name, b, f"{a:.6f}"])
-    lines = ["| model | benchmark | anytime acc | final acc | avg think len | pass@1 | failures |",
-             "|---|---|---|---|---|---|---|"]
-    for model, per_bench in results["models"].items():
-        for name, r in per_bench.items():
-            fails = ", ".join(f"{k}: {v}" for k, v in sorted(r["failures"].items()) if k != "correct")
-            lines.append(f"| {Path(model).name or model} | {name} | {r['anytime_accuracy']:.3f} | "
-                         f"{r['final_accuracy']:.3f} | {r['avg_thinking_length']:.1f} | {r.get('pass@1', 0):.3f} | "
-                         f"{fails} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.md").write_text(results_table(results))
     plot_accuracy(results, out / "accuracy_vs_budget.png")
 
 

@@ -14,11 +14,17 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
 
 
+FIXTURE_MATH_DATA = REPO / "tests" / "fixtures" / "math"
+
+
 @pytest.fixture(scope="session")
 def math_data_dir() -> Path:
-    path = Path(os.environ.get("ANYTIME_MATH_DATA", REPO.parent / "shared" / "data" / "math"))
+    """Benchmark files in the DeepScaleR layout: the small fixtures shipped in tests/fixtures/math,
+    or the full sets when ANYTIME_MATH_DATA points at a folder of them."""
+    env = os.environ.get("ANYTIME_MATH_DATA")
+    path = Path(env) if env else FIXTURE_MATH_DATA
     if not path.is_dir():
-        pytest.skip(f"benchmark data not found at {path}")
+        pytest.fail(f"ANYTIME_MATH_DATA={env!r} is not a folder; unset it to use the shipped fixtures")
     return path
 
 

@@ -8,10 +8,13 @@ from anytime.synthetic import ChainProblem, make_problems, sft_completion
 
 
 def test_local_benchmarks_load_with_their_quirks(math_data_dir):
+    def raw(name):
+        return json.loads((math_data_dir / name).read_text())
+
     amc = load_rows(str(math_data_dir / "test_amc.json"))
-    assert len(amc) == 83 and isinstance(amc[0].answer, float)
+    assert len(amc) == len(raw("test_amc.json")) >= 20 and isinstance(amc[0].answer, float)
     minerva = load_rows(str(math_data_dir / "test_minerva.json"))
-    assert len(minerva) == 272 and isinstance(minerva[0].answer, list)
+    assert len(minerva) == len(raw("test_minerva.json")) >= 20 and isinstance(minerva[0].answer, list)
     assert len(load_rows(str(math_data_dir / "test_math.json"), limit=20)) == 20
 
 

@@ -363,14 +363,11 @@ def _load_gold_script():
 
 
 @pytest.mark.slow
-def test_real_benchmark_golds_verify_against_themselves_not_each_other() -> None:
+def test_benchmark_golds_verify_against_themselves_not_each_other(math_data_dir) -> None:
     golds_script = _load_gold_script()
-    data_dir = golds_script.math_data_dir()
-    if not data_dir.is_dir():
-        pytest.skip(f"no math benchmark data at {data_dir} (set ANYTIME_MATH_DATA)")
     with RewardScorer(timeout_s=20.0) as pool:
         for name in golds_script.BENCHMARKS:
-            answers = golds_script.load_answers(data_dir, name)
+            answers = golds_script.load_answers(math_data_dir, name)
             self_rate, cross_rate, failures = golds_script.gold_rates(answers, pool)
             assert self_rate >= 0.99, (name, failures[:5])
             assert cross_rate < 0.02, name

@@ -37,13 +37,20 @@ def read_metrics(out: Path) -> dict[int, dict]:
 @pytest.mark.slow
 def test_resume_gives_the_same_next_step(tmp_path):
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
-    assert launch_train(QUICKSTART, tiny_overrides(full, steps=3)) == 0
+    assert launch_train(QUICKSTART, tiny_overrides(full, steps=3) + ["eval.max_sample_records=3"]) == 0
     assert launch_train(QUICKSTART, tiny_overrides(part, steps=2)) == 0
     assert launch_train(QUICKSTART, tiny_overrides(part, steps=3)) == 0  # resume: auto from step_2
     a, b = read_metrics(full), read_metrics(part)
     assert a[3] == b[3]
     assert a[3]["update/grad_norm"] > 0  # the update really did something
     assert [p.name for p in ckpt.list_checkpoints(part / "checkpoints")] == ["step_2", "step_3"]
+    # the in-training eval's per-sample records: one file per eval, capped by eval.max_sample_records
+    written = sorted(p.name for p in (full / "eval_samples").iterdir())
+    assert written == ["step_0.jsonl", "step_3.jsonl"]
+    rows = [json.loads(line) for line in (full / "eval_samples" / "step_3.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["step"] == 3 and len(r["budgets"]) == 2 for r in rows)
+    uncapped = (part / "eval_samples" / "step_0.jsonl").read_text().splitlines()
+    assert len(uncapped) == 4  # eval.limit problems × eval.samples
 
 
 def test_missing_inputs_fail_before_any_work(tmp_path):

@@ -113,9 +113,16 @@ class Trainer:
                 self.rollouts.wake_up()
             self.rollouts.sync_weights(self.learner)
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Held-out metrics; rank 0 writes the per-sample records to eval_samples/step_{step}.jsonl."""
+        from anytime.eval_records import write_samples
+
         with self.timer.stage("eval"):
-            return self.rollouts.evaluate()
+            metrics, records = self.rollouts.evaluate()
+            if self.rank == 0 and records:
+                write_samples([{"step": step, **r} for r in records],
+                              self.out / "eval_samples" / f"step_{step}.jsonl", self.recipe.eval.max_sample_records)
+            return metrics
 
     # --- signals and checkpoints ---------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -143,14 +150,14 @@ class Trainer:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if "before" not in history:
-                history["before"] = self.evaluate()
+                history["before"] = self.evaluate(start_step)
                 logger.log(start_step, history["before"])
             step = start_step
             while step < r.trainer.steps:
                 metrics = self.train_step(step)
                 step += 1
                 if r.eval.every and step % r.eval.every == 0 and step < r.trainer.steps:
-                    metrics.update(self.evaluate())
+                    metrics.update(self.evaluate(step))
                 logger.log(step, metrics)
                 logger.progress(step, anytime=metrics.get("train/anytime_score", 0.0))
                 stop = broadcast_object(self._stop_signal)
@@ -159,7 +166,7 @@ class Trainer:
                 if stop is not None:
                     log.warning("stopped by signal %d after step %d; resume with trainer.resume=auto", stop, step)
                     return {"stopped_at": step, **history}
-            history["after"] = self.evaluate()
+            history["after"] = self.evaluate(step)
             logger.log(step, history["after"])
             if self.rank == 0:
                 (self.out / "final_eval.json").write_text(json.dumps(history, indent=2))

@@ -52,7 +52,8 @@ class Rollouts(Protocol):
     def sync_weights(self, learner: Any) -> None:
         """Bring the learner's weights to every worker."""
 
-    def evaluate(self) -> dict[str, float]: ...
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out metrics and per-sample records (at most `eval.max_sample_records`), on every rank."""
 
     def sleep(self) -> None: ...
 
@@ -142,7 +143,7 @@ class InProcessRollouts:
         if self.worker is not None:
             self.worker.update_weights(state.items())
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
         return broadcast_object(self.worker.evaluate() if self.worker is not None else None)
 
     def sleep(self) -> None:
@@ -202,5 +203,5 @@ class ColocatedRollouts(InProcessRollouts):
     def sync_weights(self, learner: Any) -> None:
         self.worker.update_weights(learner.full_state_dict(all_ranks=True).items())
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
         return broadcast_object(self.worker.evaluate() if rank_world()[0] == 0 else None)

@@ -77,7 +77,7 @@ class RolloutActor:
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         self.worker.engine.receive_weights(layout)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
         return self.worker.evaluate()
 
     def sleep(self) -> None:
@@ -198,7 +198,7 @@ class RayRollouts:
             ref = ray.put(to_numpy(state))  # once; every actor reads it from the object store
             self._get([a.update_weights.remote(ref) for a in self.actors], "the weight sync")
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
         return broadcast_object(self._get([self.actors[0].evaluate.remote()], "the evaluation")[0]
                                 if self.actors else None)
 

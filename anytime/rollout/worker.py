@@ -128,19 +128,24 @@ class RolloutWorker:
         sums["rollout_seconds"] = time.perf_counter() - start
         return batch, sums, timings
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy at every eval budget on the recipe's benchmarks (greedy by default)."""
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out accuracy at every eval budget on the recipe's benchmarks (greedy by default), and
+        per-sample records (`anytime.eval_records`, tagged with the benchmark), at most
+        `eval.max_sample_records` shared fairly between the benchmarks."""
         from anytime.benchmarks import load_benchmark
+        from anytime.eval_records import cap_records
         from anytime.evaluate import evaluate_rows
 
         r, ev = self.recipe, self.recipe.eval
         result: dict[str, float] = {}
         scores = []
+        records: list[dict[str, Any]] = []
         for name in ev.benchmarks:
             rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
                                   synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops))
             out = evaluate_rows(self.eval_runner, self.tokenizer, rows, budgets=self.eval_budgets,
-                                instruction=r.data.instruction, max_prompt_len=r.data.max_prompt_len, seed=ev.seed)
+                                instruction=r.data.instruction, max_prompt_len=r.data.max_prompt_len, seed=ev.seed,
+                                records=records if ev.max_sample_records else None, tags={"benchmark": name})
             for j, b in enumerate(self.eval_budgets):
                 result[f"eval/{name}/acc@{b}"] = out["accuracy"][j]
             result[f"eval/{name}/anytime"] = out["anytime_accuracy"]
@@ -148,7 +153,7 @@ class RolloutWorker:
             result[f"eval/{name}/think_len"] = out["avg_thinking_length"]
             scores.append(out["anytime_accuracy"])
         result["eval/anytime"] = sum(scores) / max(len(scores), 1)
-        return result
+        return result, cap_records(records, ev.max_sample_records)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)

@@ -5,7 +5,8 @@ must come out of the redesigned code unchanged.
 Recorded with `python tests/test_golden.py --record` into `tests/golden/quickstart.json`; the
 redesign matched the goldens recorded before it (commit 7edcfb3: torch and pipeline variants within
 1e-6, DeepSpeed within 1e-4). They are re-recorded only when a commit changes the samples or the
-arithmetic on purpose, and that commit says why.
+arithmetic on purpose, and that commit says why. They are recorded on an idle machine: under heavy
+load a slow verifier item can reach its 5 s limit and turn from `wrong` into `timeout`.
 The warm start runs in float64 and so do the torch and pipelined learners, so the runs do not
 depend on which CPU kernels a machine picks (float32 runs differ across CPUs after a few hundred
 steps); DeepSpeed keeps float32 master weights, so its variant runs in float32 with a looser

@@ -3,8 +3,8 @@
 Model outputs are untrusted: a ``\\boxed{9^{9^{9}}}`` sends sympy into a C-level big-integer loop
 that no signal can interrupt, and math-verify's own timeouts use ``signal.alarm`` (main thread
 only). So `RewardScorer` verifies in a pool of worker processes (`anytime.reward_pool`) that bounds
-every item's wall-clock time and SIGKILLs a worker that overruns (the item gets reason
-``timeout``). Reading the answer out of the text is plain string work with length caps, linear in
+every item's CPU time (so a busy machine does not change verdicts) and SIGKILLs a worker that
+overruns (the item gets reason ``timeout``). Reading the answer out of the text is plain string work with length caps, linear in
 the text (`read_answer`); it runs in the parent, so that identical (answer, gold) pairs of a
 batch — common at late budgets — are verified once and share the verdict. `score_one` is the same
 computation in-process, for tests and trusted input.
@@ -176,8 +176,8 @@ class RewardScorer:
     The pool lives until `close()` (or the end of a ``with`` block). Each call reads the answers
     (string work, here), verifies every distinct (answer, gold) pair once (``dedupe=False``: every
     answered output) in the workers, and gives every output the verdict of its pair; each
-    verification gets ``timeout_s`` of wall-clock time from the moment its worker starts it, and
-    an overrunning worker is SIGKILLed and replaced. ``last_stats`` describes the last call.
+    verification gets ``timeout_s`` of its worker's CPU time from the moment the worker starts it
+    (at most 6 × ``timeout_s`` of wall time), and an overrunning worker is SIGKILLed and replaced. ``last_stats`` describes the last call.
     """
 
     def __init__(

@@ -1,17 +1,21 @@
 """Killable worker processes for the verifier: run one function over many small payloads with a
-wall-clock limit per item.
+time limit per item.
 
 Each worker runs ``make_work()`` once and then the returned function on every payload it is sent.
 The parent sends payloads in chunks (a worker holds up to two, so it never waits for the parent
-between chunks), gives every item ``timeout_s`` from the moment its worker starts it, and
-SIGKILLs and replaces a worker that overruns (the item's result is ``Failure("timeout")``) or
-dies twice on one item (``Failure("error")``). `anytime.reward` builds the verifier on it.
+between chunks), gives every item ``timeout_s`` of its worker's CPU time from the moment the worker
+starts it (wall time where the OS does not report a process's CPU time), and SIGKILLs and replaces
+a worker that overruns (the item's result is ``Failure("timeout")``) or dies twice on one item
+(``Failure("error")``). Counting CPU time keeps a verdict from depending on how busy the machine
+was: an item starved of CPU by other jobs gets its full allowance, up to ``_STARVED_WALL_FACTOR``
+times ``timeout_s`` of wall time. `anytime.reward` builds the verifier on it.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import time
@@ -29,6 +33,18 @@ _MAX_CHUNK = 32
 # A second chunk is queued behind a busy worker only if it is this small: a send larger than the
 # socket buffer would block the parent until the worker reads it, i.e. past a stuck item's deadline.
 _MAX_QUEUED_BYTES = 16 * 1024
+_STARVED_WALL_FACTOR = 6  # wall time, in time limits, an item starved of CPU may take at most
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc; None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,8 @@ class _Worker:
     inflight: deque[int] = field(default_factory=deque)  # item indices, in the worker's order
     chunk_ends: deque[int] = field(default_factory=deque)  # last index of each chunk it holds
     deadline: float = float("inf")  # monotonic time by which the head item must be done
+    started: float = 0.0  # monotonic time the head item started
+    cpu_started: float | None = None  # the worker's CPU seconds then (None: wall time only)
 
 
 def _reap(workers: list[_Worker]) -> None:
@@ -212,7 +230,7 @@ class WorkerPool:
                     pending.extendleft(reversed(chunk))
                     break
                 if not worker.inflight:
-                    worker.deadline = time.monotonic() + self.timeout_s
+                    self._start_item(worker)
                 worker.inflight.extend(index for index, _ in chunk)
                 worker.chunk_ends.append(chunk[-1][0])
 
@@ -253,11 +271,31 @@ class WorkerPool:
                             results[worker.inflight.popleft()] = Failure("error")
                     requeue(worker)
                     self._replace(worker)
-                elif worker.inflight and time.monotonic() > worker.deadline:
+                elif worker.inflight and time.monotonic() > worker.deadline and not self._starved(worker):
                     results[worker.inflight.popleft()] = Failure("timeout")
                     requeue(worker)
                     self._replace(worker)
         return [results[i] for i in range(len(items))]
+
+    def _start_item(self, worker: _Worker) -> None:
+        worker.started = time.monotonic()
+        worker.cpu_started = _cpu_seconds(worker.pid)
+        worker.deadline = worker.started + self.timeout_s
+
+    def _starved(self, worker: _Worker) -> bool:
+        """Whether the head item is past its deadline only for want of CPU (the machine is busy);
+        if so its deadline moves to when it will have had ``timeout_s`` of CPU."""
+        now = time.monotonic()
+        if worker.cpu_started is None or now - worker.started >= _STARVED_WALL_FACTOR * self.timeout_s:
+            return False
+        cpu = _cpu_seconds(worker.pid)
+        if cpu is None:
+            return False
+        used = cpu - worker.cpu_started
+        if used >= 0.95 * self.timeout_s:
+            return False
+        worker.deadline = now + max(self.timeout_s - used, 0.05)
+        return True
 
     def _start_failed(self, worker: _Worker) -> None:
         # A broken environment fails every start; one killed start is retried.
@@ -288,7 +326,10 @@ class WorkerPool:
                     worker.chunk_ends.popleft()
                 results[index] = result
                 # The worker starts the next item as soon as it sent this one.
-                worker.deadline = time.monotonic() + self.timeout_s if worker.inflight else float("inf")
+                if worker.inflight:
+                    self._start_item(worker)
+                else:
+                    worker.deadline = float("inf")
         except (EOFError, OSError):
             pass  # the worker died; the caller sees it through the process sentinel
 

@@ -279,6 +279,21 @@ def test_an_item_that_overruns_is_killed_and_the_scorer_keeps_working() -> None:
 
 
 @pytest.mark.slow
+def test_an_item_starved_of_cpu_by_a_busy_machine_does_not_time_out() -> None:
+    """The limit counts the worker's CPU time: a worker that gets no CPU for longer than the limit
+    (here: stopped, as a loaded machine would starve it) still finishes its item with a verdict."""
+    with RewardScorer(num_workers=1, timeout_s=0.5) as pool:
+        pool.wait_ready()
+        (pid,) = pool.pids
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, (pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        verdicts = pool.score(["</think>\n\n**Final Answer**\n\\boxed{42}"], ["42"])
+        assert time.monotonic() - start >= 1.4  # it waited for the stopped worker, past 0.5 s of wall time
+        assert [v.reason for v in verdicts] == ["correct"]
+        assert pool.pids == [pid]  # not killed
+
+
 def test_an_item_whose_worker_dies_twice_is_an_error() -> None:
     """A worker killed from outside mid-item (as the OOM killer would): one retry, then "error"."""
 

@@ -168,6 +168,7 @@ class SFTConfig:
     lr: float = 3e-3
     batch_size: int = 32
     warmup_steps: int = 20
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"   # after the warmup
 
 
 @dataclass

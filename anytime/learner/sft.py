@@ -49,7 +49,7 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     pairs = synthetic_sft_pairs(recipe, tokenizer, recipe.data.synthetic_size, recipe.trainer.seed + 17)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", cfg.warmup_steps, cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
     rng = random.Random(recipe.trainer.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.train()

@@ -7,6 +7,7 @@ warm-started policy reasons verbosely — room for anytime RL to improve.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -53,7 +54,8 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     rng = random.Random(recipe.trainer.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.train()
-    start, last_loss = time.perf_counter(), float("nan")
+    start, cpu_start, last_loss = time.perf_counter(), time.process_time(), float("nan")
+    losses: list[float] = []  # every step's loss, written next to the model: the curve tells a failed start from a slow one
     for step in range(cfg.steps):
         batch = rng.sample(pairs, min(cfg.batch_size, len(pairs)))
         T = max(len(p) + len(c) for p, c in batch)
@@ -72,12 +74,17 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         last_loss = float(loss.detach())
+        losses.append(last_loss)
         if step % 100 == 0 or step == cfg.steps - 1:
             log.info("sft step %d/%d loss %.4f (%.0fs)", step + 1, cfg.steps, last_loss, time.perf_counter() - start)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    # CPU seconds beside wall seconds: on a shared machine only the former compares two runs
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    (tmp / "sft_loss.json").write_text(json.dumps({"steps": cfg.steps, "seconds": seconds, "cpu_seconds": cpu_seconds,
+                                                   "loss": losses}))
     (tmp / "sft_done.txt").write_text(f"steps={cfg.steps} final_loss={last_loss:.4f}\n")
     if out.exists():
         import shutil

@@ -1,0 +1,191 @@
+"""Does the quickstart's supervised warm start succeed for every seed?
+
+For each seed, builds the tiny model and runs the warm start exactly as `anytime train
+recipes/quickstart.yaml trainer.seed=S` does (`prepare_model`), then scores the warm-started model
+with the trainer's own held-out eval (`Trainer.evaluate`: greedy, the recipe's budgets, 200 synthetic
+problems) — the "before RL" score of the quickstart. Each run is an *arm* (a label plus recipe
+overrides); results of several arms are kept side by side. Writes eval/warm_start_seeds/
+{results.json, table.md, sft_loss.png}.
+
+    python eval/warm_start_seeds.py --arm fixed --seeds 0,1,2,3,4 [key.path=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+# Two-sided 95% Student-t quantiles by degrees of freedom (standard table values); 1.96 beyond.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval over seeds (0 for a single value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, 0.0
+    return m, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def loss_floors(recipe: Any, model_path: str, size: int = 2000) -> dict[str, float]:
+    """Token-mean SFT loss of two reference models on the recipe's data: one that knows everything but
+    the random filler choices (the floor), and one that also guesses every line's result digit
+    uniformly (log 10 per line). A curve that flattens at the second has learned the format, the step
+    numbers and the operand lookup, but not the additions."""
+    from transformers import AutoTokenizer
+
+    from anytime.learner.sft import synthetic_sft_pairs
+    from anytime.synthetic import FILLER_LINES, make_problems
+
+    d = recipe.data
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokens = sum(len(c) for _, c in synthetic_sft_pairs(recipe, tokenizer, size, 0))
+    lines = sum(len(p.operands) for p in make_problems(size, 0, d.synthetic_min_ops, d.synthetic_max_ops))
+    f = d.synthetic_filler
+    per_line = -sum(q * math.log(q) for q in [1 - f] + [f / len(FILLER_LINES)] * len(FILLER_LINES) if q > 0)
+    return {"filler_only": lines * per_line / tokens, "sums_unknown": lines * (per_line + math.log(10)) / tokens}
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "anytime", "recipes") else "")
+
+
+def seed_recipe(seed: int, work: Path, overrides: list[str]) -> Any:
+    from anytime.config import load_recipe
+
+    run_dir = work / f"seed_{seed}"
+    return load_recipe(RECIPE, [f"trainer.seed={seed}", f"trainer.output_dir={run_dir}",
+                                f"model.path={run_dir}/init_model", "logging.progress=false", *overrides])
+
+
+def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
+    """Warm-start one seed (skipped when its folder already holds a finished model) and evaluate it."""
+    from anytime.learner.launch import prepare_model
+    from anytime.learner.trainer import Trainer
+
+    recipe = seed_recipe(seed, work, overrides)
+    path = prepare_model(recipe)
+    curve = json.loads((Path(path) / "sft_loss.json").read_text())
+    start = time.perf_counter()
+    trainer = Trainer(recipe, path)
+    try:
+        ev = trainer.evaluate()
+    finally:
+        trainer.close()
+    budgets = list(trainer.eval_budgets)
+    loss = curve["loss"]
+    return {
+        "seed": seed,
+        "anytime": ev["eval/anytime"],
+        "final": ev["eval/synthetic/final"],
+        "accuracy": {str(b): ev[f"eval/synthetic/acc@{b}"] for b in budgets},
+        "think_len": ev["eval/synthetic/think_len"],
+        "sft_seconds": curve["seconds"],
+        "sft_cpu_seconds": curve.get("cpu_seconds"),
+        "eval_seconds": time.perf_counter() - start,
+        "final_loss": statistics.fmean(loss[-50:]),  # mean of the last 50 steps: one batch is noisy
+        "loss": [round(x, 4) for x in loss],
+    }
+
+
+def write_table(results: dict[str, Any], out: Path) -> str:
+    lines = []
+    for label, arm in results["arms"].items():
+        runs = arm["seeds"]
+        budgets = list(runs[0]["accuracy"]) if runs else []
+        lines += [f"### {label}", "", f"commit `{arm['commit']}`, overrides: `{' '.join(arm['overrides']) or '(none)'}`", "",
+                  "| seed | " + " | ".join(f"acc@{b}" for b in budgets)
+                  + " | anytime | final | think len | SFT loss (last 50) | SFT s (wall / CPU) |",
+                  "|---" * (len(budgets) + 6) + "|"]
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            lines.append(f"| {r['seed']} | " + " | ".join(f"{r['accuracy'][b]:.3f}" for b in budgets)
+                         + f" | {r['anytime']:.3f} | {r['final']:.3f} | {r['think_len']:.1f} | {r['final_loss']:.4f}"
+                         f" | {r['sft_seconds']:.0f} / {r.get('sft_cpu_seconds') or float('nan'):.0f} |")
+        if runs:
+            (ma, ca), (mf, cf) = mean_ci([r["anytime"] for r in runs]), mean_ci([r["final"] for r in runs])
+            lines += ["", f"anytime {ma:.3f} ± {ca:.3f}, final {mf:.3f} ± {cf:.3f} (mean ± 95% CI over "
+                      f"{len(runs)} seeds); worst anytime {min(r['anytime'] for r in runs):.3f}; "
+                      f"SFT time mean {statistics.fmean(r['sft_seconds'] for r in runs):.0f} s", ""]
+    table = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(table)
+    return table
+
+
+def plot_losses(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = results["arms"]
+    fig, axes = plt.subplots(1, len(arms), figsize=(5.5 * len(arms), 4), sharey=True, squeeze=False)
+    for ax, (label, arm) in zip(axes[0], arms.items()):
+        for r in arm["seeds"]:
+            loss, k = r["loss"], 10  # a 10-step moving average: single batches hide the trend
+            smooth = [statistics.fmean(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
+            ax.plot(range(1, len(loss) + 1), smooth, lw=1, label=f"seed {r['seed']} (anytime {r['anytime']:.3f})")
+        if "loss_floors" in results:
+            floors = results["loss_floors"]
+            ax.axhline(floors["sums_unknown"], color="gray", ls="--", lw=0.8, label="every sum digit unknown")
+            ax.axhline(floors["filler_only"], color="k", ls=":", lw=0.8, label="floor: filler choices only")
+        ax.set_yscale("log")
+        ax.set_xlabel("SFT step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("SFT loss (10-step mean)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arm", default="current", help="label of this run in results.json (replaces an earlier one)")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--work", default="runs/warm_start_seeds", help="scratch folder for models")
+    parser.add_argument("--out", default=str(REPO / "eval" / "warm_start_seeds"))
+    parser.add_argument("--replot", action="store_true",
+                        help="run nothing: recompute the loss floors (from the arm's first seed's model), table and plot")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every seed (key.path=value)")
+    args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {"arms": {}}
+    arm = {"commit": _commit(), "overrides": args.overrides, "seeds": []}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    work = Path(args.work) / args.arm
+    for seed in [] if args.replot else seeds:
+        r = run_seed(seed, work, args.overrides)
+        print(f"arm {args.arm} seed {seed}: anytime {r['anytime']:.3f} final {r['final']:.3f} "
+              f"sft_loss_last50 {r['final_loss']:.4f} sft_seconds {r['sft_seconds']:.0f}", flush=True)
+        arm["seeds"].append(r)
+        results["arms"][args.arm] = arm
+        results_path.write_text(json.dumps(results, indent=1))  # after every seed: a long run can be read midway
+    recipe = seed_recipe(seeds[0], work, args.overrides)
+    results["loss_floors"] = loss_floors(recipe, recipe.model.path)  # the tokenizer is the same for every seed
+    print("loss floors: " + ", ".join(f"{k} {v:.4f}" for k, v in results["loss_floors"].items()))
+    results_path.write_text(json.dumps(results, indent=1))
+    print(write_table(results, out))
+    plot_losses(results, out / "sft_loss.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import pickle
 import signal
 import time
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import psutil
+
 _MAX_CRASHES = 2  # worker deaths on one item before it is an "error"
 _SIGXCPU = getattr(signal, "SIGXCPU", 24)
 _MAX_START_FAILURES = 3  # consecutive deaths of starting workers before the pool gives up
@@ -34,17 +35,15 @@ _MAX_CHUNK = 32
 # socket buffer would block the parent until the worker reads it, i.e. past a stuck item's deadline.
 _MAX_QUEUED_BYTES = 16 * 1024
 _STARVED_WALL_FACTOR = 6  # wall time, in time limits, an item starved of CPU may take at most
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system) process ``pid`` has used, from /proc; None without /proc."""
+def _cpu_seconds(usage: psutil.Process) -> float | None:
+    """CPU seconds (user + system) the process has used; None where the OS does not tell."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # the name in parentheses may hold spaces
-    except (OSError, IndexError):
+        times = usage.cpu_times()
+    except (psutil.Error, NotImplementedError):
         return None
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return times.user + times.system
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,7 @@ class _Worker:
     process: Any  # multiprocessing process object of the pool's context
     conn: Connection
     pid: int  # kept here: a closed process object no longer answers .pid
+    usage: psutil.Process  # for its CPU time
     ready: bool = False
     inflight: deque[int] = field(default_factory=deque)  # item indices, in the worker's order
     chunk_ends: deque[int] = field(default_factory=deque)  # last index of each chunk it holds
@@ -177,7 +177,7 @@ class WorkerPool:
         )
         process.start()
         child_conn.close()
-        return _Worker(process, parent_conn, process.pid)
+        return _Worker(process, parent_conn, process.pid, psutil.Process(process.pid))
 
     def _replace(self, worker: _Worker) -> None:
         _reap([worker])
@@ -279,7 +279,7 @@ class WorkerPool:
 
     def _start_item(self, worker: _Worker) -> None:
         worker.started = time.monotonic()
-        worker.cpu_started = _cpu_seconds(worker.pid)
+        worker.cpu_started = _cpu_seconds(worker.usage)
         worker.deadline = worker.started + self.timeout_s
 
     def _starved(self, worker: _Worker) -> bool:
@@ -288,7 +288,7 @@ class WorkerPool:
         now = time.monotonic()
         if worker.cpu_started is None or now - worker.started >= _STARVED_WALL_FACTOR * self.timeout_s:
             return False
-        cpu = _cpu_seconds(worker.pid)
+        cpu = _cpu_seconds(worker.usage)
         if cpu is None:
             return False
         used = cpu - worker.cpu_started

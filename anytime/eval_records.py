@@ -38,7 +38,7 @@ SAMPLES_FILE = "samples.jsonl"
 Record = dict[str, Any]
 
 
-def sample_records(rollout: Any, runner: Any, rows: Sequence[Any], *, first_index: int = 0,
+def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
                    tags: Mapping[str, Any] | None = None) -> list[Record]:
     """The records of one rollout batch (`rows[b]` is the problem of prompt b of the rollout).
 
@@ -46,7 +46,7 @@ def sample_records(rollout: Any, runner: Any, rows: Sequence[Any], *, first_inde
     cuts, scores and verifier reasons ([B, G, S, A] tensors) and the texts the verifier read and the
     answers it extracted (flat lists in (b, g, j, a) order). `first_index` is the position of
     `rows[0]` in its benchmark; `tags` (e.g. model and benchmark, or the training step) lead every
-    record. `runner` is unused (kept so callers pass the rollout's producer).
+    record.
     """
     from anytime.reward import REASONS
     from anytime.rollout.anytime import eos_zeroed

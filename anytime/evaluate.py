@@ -66,7 +66,7 @@ def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, bud
         chunk = rows[start:start + batch_prompts]
         rollout = runner.run(prompts[start:start + batch_prompts], [r.answer for r in chunk], budgets,
                              seed=seed + start)
-        mine.extend(sample_records(rollout, runner, chunk, first_index=start, tags=tags))
+        mine.extend(sample_records(rollout, chunk, first_index=start, tags=tags))
         if on_batch is not None:
             on_batch(len(chunk))
     if records is not None:

@@ -22,20 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from anytime.stats import mean_ci
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "quickstart.yaml")
-# Two-sided 95% Student-t quantiles by degrees of freedom (standard table values); 1.96 beyond.
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval over seeds (0 for a single value)."""
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return m, 0.0
-    return m, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-
-
 def loss_floors(recipe: Any, model_path: str, size: int = 2000) -> dict[str, float]:
     """Token-mean SFT loss of two reference models on the recipe's data: one that knows everything but
     the random filler choices (the floor), and one that also guesses every line's result digit

@@ -52,6 +52,7 @@ class DataConfig:
     synthetic_min_ops: int = 3
     synthetic_max_ops: int = 6
     synthetic_filler: float = 0.5     # chance of a filler line before each step in the SFT traces
+    synthetic_whole_sums: bool = False  # SFT trace lines write whole sums (8+5=13), not last digits (8+5=3)
 
 
 @dataclass

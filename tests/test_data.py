@@ -51,6 +51,8 @@ def test_synthetic_task_is_seeded_and_consistent():
     p = ChainProblem(3, (7, 2, 9, 4))
     assert p.answer == 5
     assert p.thinking() == "1: 3+7=0\n2: 0+2=2\n3: 2+9=1\n4: 1+4=5\n"
+    # whole sums: each line shows its carry, the next goes on from the last digit; the answer is the same
+    assert p.thinking(whole_sums=True) == "1: 3+7=10\n2: 0+2=2\n3: 2+9=11\n4: 1+4=5\n"
     assert p.problem == ("Start with 3. Step 1: add 7. Step 2: add 2. Step 3: add 9. Step 4: add 4. "
                          "What is the last digit of the result?")
     assert make_problems(5, 1) == make_problems(5, 1)
@@ -60,6 +62,8 @@ def test_synthetic_task_is_seeded_and_consistent():
     import random
     text = sft_completion(p, random.Random(0), filler=0.0)
     assert text.endswith("</think>\n\n**Final Answer**\n\\boxed{5}")
+    whole = sft_completion(p, random.Random(0), filler=0.0, whole_sums=True)
+    assert whole.startswith("1: 3+7=10\n") and whole.endswith("\\boxed{5}")
 
 
 class _Tok:

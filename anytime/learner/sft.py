@@ -29,7 +29,7 @@ def synthetic_sft_pairs(recipe: Recipe, tokenizer, size: int, seed: int) -> list
     pairs = []
     for p in make_problems(size, seed, d.synthetic_min_ops, d.synthetic_max_ops):
         prompt = render_prompt(tokenizer, p.problem, d.instruction)
-        completion = sft_completion(p, rng, d.synthetic_filler, s.think_end, s.header)
+        completion = sft_completion(p, rng, d.synthetic_filler, s.think_end, s.header, d.synthetic_whole_sums)
         ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
         pairs.append((prompt, ids))
     return pairs

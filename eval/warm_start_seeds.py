@@ -45,6 +45,35 @@ def loss_floors(recipe: Any, model_path: str, size: int = 2000) -> dict[str, flo
     return {"filler_only": lines * per_line / tokens, "sums_unknown": lines * (per_line + math.log(10)) / tokens}
 
 
+# The skills a warm start must learn, by the digit a trace line "k: v+x=n" asks for next (the token before it).
+SKILLS = {"Ġ": "copy", "+": "operand", "=": "sum"}
+
+
+def skill_losses(recipe: Any, model_path: str, size: int = 300) -> dict[str, float]:
+    """Mean cross-entropy (nats) of a warm-started model on held-out reference traces, per skill: `copy`
+    (v, the previous line's last digit), `operand` (x, looked up as "Step k: add x" in the prompt) and
+    `sum` (the first digit of n, the one that needs both). log 10 = 2.303 is a uniform guess over digits: the
+    skill is not learned at all. A failed warm start shows which one it failed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anytime.learner.sft import synthetic_sft_pairs
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    sums: dict[str, list[float]] = {k: [] for k in SKILLS.values()}
+    for prompt, completion in synthetic_sft_pairs(recipe, tokenizer, size, seed=10_007):  # not a training seed's data
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
+        tokens = tokenizer.convert_ids_to_tokens(prompt + completion)
+        for i in range(len(prompt), len(tokens)):
+            skill = SKILLS.get(tokens[i - 1])
+            if skill and tokens[i].isdigit():
+                sums[skill].append(float(nll[i - 1]))
+    return {k: statistics.fmean(v) for k, v in sums.items() if v}
+
+
 def _commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()

@@ -1,0 +1,222 @@
+"""The paper's ablation ladder (Table 3) in small, over seeds: GRPO → + linear prior (dense budget
+rewards) → + decoupled summaries → + variance reduction (BRPO = AR-linear) → AR-uniform.
+
+For every seed one tiny model is built and warm-started (the quickstart's SFT stage, that seed), then
+every variant trains from it with the same prompts per step, traces per prompt and steps; all are
+evaluated greedily at the same budgets on the same held-out problems. Reported over seeds: the mean ±
+95% CI (Student t) of the anytime score (mean accuracy over the budgets), of its gain over the warm
+start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
+AR-uniform variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
+
+    python eval/ablation.py --seeds 0,1,2,3,4 [--steps 40] [--work runs/ablation] [--out eval/ablation] [key=value ...]
+
+Runs already finished under --work are reused, so an interrupted sweep continues where it stopped, and
+two processes given different seeds (and the same --work) split a sweep over two cores; a last call
+with every seed then only gathers. Writes results.json, table.md, ablation.png and sft_loss.png (every
+seed's warm-start loss curve) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from anytime.stats import mean_ci
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+BUDGETS = [16, 32, 48, 64]
+DENSE = [f"budget.budgets=[{','.join(map(str, BUDGETS))}]"]
+
+# Each rung changes one factor of the one above it (the paper's n_summary / summary_method /
+# budgets / prior / variance_reduction).
+LADDER = {
+    "GRPO": ["budget.budgets=[64]", "budget.prior=base", "summary.n=1", "summary.estimator=grpo",
+             "algorithm.variance_reduction=v2only"],
+    "+linear": [*DENSE, "budget.prior=linear", "summary.n=1", "summary.estimator=grpo",
+                "algorithm.variance_reduction=v2only"],
+    "+decouple": [*DENSE, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
+                  "algorithm.variance_reduction=v2only"],
+    "+vr (AR-linear)": [*DENSE, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
+                        "algorithm.variance_reduction=brpo"],
+    "AR-uniform": [*DENSE, "budget.prior=uniform", "summary.n=2", "summary.estimator=brpo",
+                   "algorithm.variance_reduction=brpo"],
+}
+
+def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str]) -> dict[str, dict]:
+    """Warm start for one seed, then every variant from it; the held-out accuracies per budget and the
+    wall seconds of each run (RL plus its two evals)."""
+    from anytime.config import load_recipe
+    from anytime.learner.launch import launch_train, prepare_model
+
+    base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
+    shared = work / f"seed{seed}" / "warm_start"
+    sft = prepare_model(load_recipe(RECIPE, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
+    curve = json.loads((Path(sft) / "sft_loss.json").read_text())
+    out: dict[str, dict] = {"_warm_start": {"path": str(sft), "sft_seconds": curve["seconds"],
+                                            "sft_loss": [round(x, 4) for x in curve["loss"]]}}
+    for name in variants:
+        run = work / f"seed{seed}" / name.split()[0].strip("+").lower().replace("-", "_")
+        done, timing = run / "final_eval.json", run / "ablation_seconds.txt"
+        if not done.is_file():
+            common = base + [f"model.path={sft}", "model.tiny=false", "sft.steps=0", f"trainer.steps={steps}",
+                             f"trainer.output_dir={run}", "trainer.resume=never", f"eval.budgets={BUDGETS}",
+                             f"trainer.save_every={steps}"]
+            start = time.perf_counter()
+            if launch_train(RECIPE, common + LADDER[name]) != 0:
+                raise RuntimeError(f"seed {seed}, {name}: training failed (see {run})")
+            timing.write_text(f"{time.perf_counter() - start:.1f}\n")
+        history = json.loads(done.read_text())
+        out[name] = {phase: [history[phase][f"eval/synthetic/acc@{b}"] for b in BUDGETS] for phase in ("before", "after")}
+        out[name]["seconds"] = float(timing.read_text()) if timing.is_file() else None
+    return out
+
+
+def summarise(raw: dict[int, dict[str, dict]], variants: list[str]) -> dict[str, dict]:
+    seeds = sorted(raw)
+    stats: dict[str, dict] = {}
+    warm = [statistics.fmean(raw[s][variants[0]]["before"]) for s in seeds]
+    stats["warm start"] = {"anytime": mean_ci(warm),
+                           "acc": [mean_ci([raw[s][variants[0]]["before"][j] for s in seeds]) for j in range(len(BUDGETS))]}
+    for name in variants:
+        after = [statistics.fmean(raw[s][name]["after"]) for s in seeds]
+        stats[name] = {
+            "anytime": mean_ci(after),
+            "gain": mean_ci([a - w for a, w in zip(after, warm)]),
+            "gain_per_seed": [a - w for a, w in zip(after, warm)],
+            "seconds": [raw[s][name].get("seconds") for s in seeds],
+            "acc": [mean_ci([raw[s][name]["after"][j] for s in seeds]) for j in range(len(BUDGETS))],
+            "vs_grpo": mean_ci([a - statistics.fmean(raw[s]["GRPO"]["after"]) for a, s in zip(after, seeds)])
+            if "GRPO" in raw[seeds[0]] else None,
+            "acc_vs_grpo": [mean_ci([raw[s][name]["after"][j] - raw[s]["GRPO"]["after"][j] for s in seeds])
+                            for j in range(len(BUDGETS))] if "GRPO" in raw[seeds[0]] else None,
+        }
+    return stats
+
+
+def table(stats: dict[str, dict], seeds: list[int], steps: int) -> str:
+    def fmt(m: tuple[float, float]) -> str:
+        return f"{m[0]:.3f} ± {m[1]:.3f}"
+
+    head = ["policy", "anytime score", "gain over warm start", "vs GRPO (paired)", *(f"acc@{b}" for b in BUDGETS)]
+    lines = [f"Seeds {', '.join(map(str, seeds))}; {steps} RL steps; mean ± 95% CI over seeds.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, s in stats.items():
+        row = [name, fmt(s["anytime"]), fmt(s["gain"]) if "gain" in s else "—",
+               fmt(s["vs_grpo"]) if s.get("vs_grpo") and name != "GRPO" else "—", *(fmt(a) for a in s["acc"])]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Paired differences from GRPO at every budget:", "",
+              "| policy | " + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 1) + "|"]
+    for name, s in stats.items():
+        if s.get("acc_vs_grpo") and name != "GRPO":
+            lines.append(f"| {name} | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in s["acc_vs_grpo"]) + " |")
+    lines += ["", "Gain in anytime score over each seed's warm start, and the wall time of each run (RL and its two "
+              "evals; runs of different seeds may have shared the machine):", "",
+              "| policy | " + " | ".join(f"seed {x}" for x in seeds) + " | worst | mean s per run |",
+              "|---" * (len(seeds) + 3) + "|"]
+    for name, s in stats.items():
+        if "gain_per_seed" in s:
+            secs = [x for x in s["seconds"] if x is not None]
+            lines.append(f"| {name} | " + " | ".join(f"{g:+.3f}" for g in s["gain_per_seed"])
+                         + f" | {min(s['gain_per_seed']):+.3f} | {statistics.fmean(secs) if secs else float('nan'):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(stats: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, (name, s) in enumerate(stats.items()):
+        offset = (k - len(stats) / 2) * 0.6
+        left.errorbar([b + offset for b in BUDGETS], [m for m, _ in s["acc"]], yerr=[h for _, h in s["acc"]],
+                      marker="o", capsize=3, label=name, linestyle="--" if name == "warm start" else "-")
+    left.set_xlabel("thinking budget (tokens)")
+    left.set_ylabel("held-out accuracy (greedy)")
+    left.set_ylim(0, 1)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    names = list(stats)
+    right.bar(names, [stats[n]["anytime"][0] for n in names], yerr=[stats[n]["anytime"][1] for n in names],
+              capsize=4, color=["grey"] + ["C%d" % i for i in range(len(names) - 1)])
+    right.set_ylabel("anytime score (mean over budgets)")
+    right.tick_params(axis="x", rotation=25)
+    right.grid(alpha=0.3, axis="y")
+    fig.suptitle("ablation ladder on the synthetic task (mean ± 95% CI over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def warm_start_table(raw: dict[int, dict[str, dict]], variants: list[str], overrides: list[str]) -> str:
+    """Each seed's warm start: its SFT loss, held-out scores and per-skill losses (which skill a failed one lacks)."""
+    from warm_start_seeds import skill_losses  # a sibling script in eval/
+
+    from anytime.config import load_recipe
+
+    recipe = load_recipe(RECIPE, overrides)
+    lines = ["", "Warm starts (the quickstart's SFT stage, one per seed; loss curves in sft_loss.png). Skill losses: "
+             "cross-entropy in nats of the digit a trace line asks for, on held-out traces (log 10 = 2.303 is a "
+             "uniform guess):", "",
+             "| seed | SFT loss (last 50 steps) | SFT s | copy | operand | sum | anytime | "
+             + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 7) + "|"]
+    for s in sorted(raw):
+        w, before = raw[s]["_warm_start"], raw[s][variants[0]]["before"]
+        skills = skill_losses(recipe, w["path"])
+        lines.append(f"| {s} | {statistics.fmean(w['sft_loss'][-50:]):.4f} | {w['sft_seconds']:.0f} | "
+                     + " | ".join(f"{skills.get(k, float('nan')):.3f}" for k in ("copy", "operand", "sum"))
+                     + f" | {statistics.fmean(before):.3f} | " + " | ".join(f"{a:.3f}" for a in before) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_warm_starts(raw: dict[int, dict[str, dict]], variants: list[str], path: Path, overrides: list[str]) -> None:
+    """Every seed's SFT loss curve (10-step means) against the task's loss floors, labelled with the
+    warm start's held-out anytime score: a failed warm start shows as a curve stuck on a floor."""
+    from warm_start_seeds import loss_floors, plot_losses  # a sibling script in eval/
+
+    from anytime.config import load_recipe
+
+    seeds = sorted(raw)
+    runs = [{"seed": s, "anytime": statistics.fmean(raw[s][variants[0]]["before"]), "loss": raw[s]["_warm_start"]["sft_loss"]}
+            for s in seeds]
+    init = str(Path(raw[seeds[0]]["_warm_start"]["path"]).parent / "init")  # any seed's tokenizer: they are the same
+    floors = loss_floors(load_recipe(RECIPE, overrides), init)
+    plot_losses({"arms": {"quickstart warm start, every seed": {"seeds": runs}}, "loss_floors": floors}, path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--variants", default=",".join(LADDER), help="a comma list of: " + ", ".join(LADDER))
+    parser.add_argument("--work", default="runs/ablation")
+    parser.add_argument("--out", default=str(REPO / "eval" / "ablation"))
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in LADDER]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(LADDER)}")
+    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides) for seed in seeds}
+    stats = summarise(raw, variants)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "budgets": BUDGETS,
+                                                  "ladder": LADDER, "overrides": args.overrides, "per_seed": raw, "summary": stats}, indent=1))
+    text = table(stats, seeds, args.steps) + warm_start_table(raw, variants, args.overrides)
+    (out / "table.md").write_text(text)
+    plot(stats, out / "ablation.png")
+    plot_warm_starts(raw, variants, out / "sft_loss.png", args.overrides)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,11 +62,11 @@ def run_ours(name: str, sft_path: str, args: argparse.Namespace) -> dict[str, fl
 
 
 def step_prompts(recipe: Any, steps: int) -> list[Any]:
-    """The rows our trainer rolls out, in its order: step k takes rows k·n … k·n + n − 1."""
-    from anytime.learner.trainer import load_train_rows
+    """The rows our trainer rolls out, in its order."""
+    from anytime.learner.trainer import load_train_rows, step_row_indices
 
     rows, n = load_train_rows(recipe), recipe.rollout.prompts_per_step
-    return [rows[(step * n + i) % len(rows)] for step in range(steps) for i in range(n)]
+    return [rows[i] for step in range(steps) for i in step_row_indices(step, n, len(rows))]
 
 
 def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:

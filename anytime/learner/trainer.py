@@ -54,6 +54,11 @@ def load_train_rows(recipe: Recipe) -> list[PromptRow]:
                      shuffle_seed=recipe.trainer.seed if d.shuffle else None)
 
 
+def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[int]:
+    """The training rows step `step` rolls out: the next `prompts_per_step`, wrapping around the data."""
+    return [(step * prompts_per_step + i) % num_rows for i in range(prompts_per_step)]
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, model_path: str):
         from transformers import AutoTokenizer
@@ -79,8 +84,7 @@ class Trainer:
     # --- one step ------------------------------------------------------------------------------
     def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
         """This rank's rows of the step and the step's rollout metrics."""
-        n = self.recipe.rollout.prompts_per_step
-        idx = [(step * n + i) % len(self.rows) for i in range(n)]
+        idx = step_row_indices(step, self.recipe.rollout.prompts_per_step, len(self.rows))
         start = time.perf_counter()
         batch, metrics, timings = self.rollouts.rollout([self.prompts[i] for i in idx],
                                                         [self.rows[i].answer for i in idx], step)

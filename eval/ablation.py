@@ -47,6 +47,7 @@ LADDER = {
                    "algorithm.variance_reduction=brpo"],
 }
 
+
 def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str]) -> dict[str, dict]:
     """Warm start for one seed, then every variant from it; the held-out accuracies per budget and the
     wall seconds of each run (RL plus its two evals)."""

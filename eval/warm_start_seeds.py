@@ -26,6 +26,8 @@ from anytime.stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+
+
 def loss_floors(recipe: Any, model_path: str, size: int = 2000) -> dict[str, float]:
     """Token-mean SFT loss of two reference models on the recipe's data: one that knows everything but
     the random filler choices (the floor), and one that also guesses every line's result digit

@@ -15,7 +15,7 @@ def test_mean_ci_is_the_student_t_interval():
     assert mean_ci([0.3]) == (0.3, 0.0)
 
 
-def test_untabulated_degrees_of_freedom_round_up_to_a_wider_interval():
+def test_untabulated_degrees_of_freedom_take_the_wider_interval_of_the_df_below():
     assert t_quantile_975(11) == t_quantile_975(10) > 2.201 > t_quantile_975(12)  # t(11) = 2.201
     assert t_quantile_975(1000) == t_quantile_975(30) > 1.96
     with pytest.raises(ValueError):

@@ -3,11 +3,15 @@ a local Ray cluster): when their owner dies, however it dies (SIGKILL, the OOM k
 them and everything they started within a second, so nothing keeps running or holds the owner's
 pipes open. It exits by itself once everything it watches has ended.
 
-`watch(pids)` starts one as a detached process (`python -m anytime.watchdog OWNER PID...`).
+`watch(pids)` starts one as a detached process (`python -m anytime.watchdog OWNER PID... [--remove GLOB]`);
+the globs name files the owner deletes itself when it lives (e.g. weights handed to an engine), which
+the watchdog deletes when it does not.
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import os
 import subprocess
 import sys
@@ -17,13 +21,15 @@ from collections.abc import Iterable
 POLL_SECONDS = 0.5
 
 
-def watch(pids: Iterable[int], owner: int | None = None) -> subprocess.Popen | None:
-    """Kill `pids` and their descendants when `owner` (default: this process) dies."""
+def watch(pids: Iterable[int], owner: int | None = None, owner_files: Iterable[str] = ()) -> subprocess.Popen | None:
+    """Kill `pids` and their descendants when `owner` (default: this process) dies, and delete the
+    files that match the `owner_files` globs."""
     pids = [int(p) for p in pids]
     if not pids:
         return None
     owner = os.getpid() if owner is None else owner
-    return subprocess.Popen([sys.executable, "-m", "anytime.watchdog", str(owner), *map(str, pids)],
+    removes = [arg for pattern in owner_files for arg in ("--remove", pattern)]
+    return subprocess.Popen([sys.executable, "-m", "anytime.watchdog", str(owner), *map(str, pids), *removes],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             close_fds=True, start_new_session=True)
 
@@ -106,10 +112,23 @@ def _kill_trees(targets: dict[int, float]) -> None:
                 pass
 
 
+def _remove(patterns: list[str]) -> None:
+    for path in (p for pattern in patterns for p in glob.glob(pattern)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def main(argv: list[str]) -> int:
     import psutil
 
-    owner, pids = int(argv[0]), [int(p) for p in argv[1:]]
+    parser = argparse.ArgumentParser(prog="python -m anytime.watchdog")
+    parser.add_argument("owner", type=int)
+    parser.add_argument("pids", type=int, nargs="+")
+    parser.add_argument("--remove", action="append", default=[], help="glob of files to delete when the owner dies")
+    args = parser.parse_args(argv)
+    owner, pids = args.owner, args.pids
     targets = {}
     for pid in pids:
         try:
@@ -119,10 +138,12 @@ def main(argv: list[str]) -> int:
     try:
         owner_born = psutil.Process(owner).create_time()
     except psutil.NoSuchProcess:
+        _remove(args.remove)
         _kill_trees(targets)
         return 0
     while any(_same(pid, born) for pid, born in targets.items()):
         if not _same(owner, owner_born):
+            _remove(args.remove)  # the owner can write no more of them
             _kill_trees(targets)
             return 0
         time.sleep(POLL_SECONDS)

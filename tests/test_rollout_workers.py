@@ -150,25 +150,29 @@ def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address)
 
 
 WATCHED = """
-import subprocess, sys, time
+import pathlib, subprocess, sys, time
 from anytime.watchdog import watch
+folder = pathlib.Path(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-watch([child.pid])
+watch([child.pid], owner_files=[str(folder / "owned-*.bin")])
+(folder / "owned-1.bin").write_bytes(b"weights")  # as if killed before it could delete them
 print(child.pid, flush=True)
 time.sleep(120)
 """
 
 
-def test_the_watchdog_ends_what_a_killed_owner_started():
-    owner = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True)
+def test_the_watchdog_ends_what_a_killed_owner_started_and_deletes_its_files(tmp_path):
+    (tmp_path / "other.bin").write_bytes(b"not the owner's")
+    owner = subprocess.Popen([sys.executable, "-c", WATCHED, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     child = int(owner.stdout.readline())
-    assert psutil.pid_exists(child)
+    assert psutil.pid_exists(child) and (tmp_path / "owned-1.bin").exists()
     owner.kill()  # SIGKILL: the owner runs no cleanup of its own
     owner.wait()
     deadline = time.time() + 10
     while time.time() < deadline and psutil.pid_exists(child) and psutil.Process(child).status() != "zombie":
         time.sleep(0.2)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.bin"]
 
 
 def _descendants_named(root: int, marker: str) -> list[psutil.Process]:

@@ -39,7 +39,7 @@ from anytime.rollout.engine import (
     _check_lengths,
 )
 from anytime.rollout.streaming import AnytimeStream, Request
-from anytime.rollout.weight_files import remove_orphaned_weight_files, write_weights
+from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class VLLMEngine(RolloutEngine):
         except Exception as e:
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
-            watch(children() - before)
+            watch(children() - before, owner_files=weight_file_globs(os.getpid()))
         self.stream_summaries = stream_summaries
         self._request_ids = itertools.count()
         self._closed = False

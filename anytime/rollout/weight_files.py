@@ -42,6 +42,11 @@ def write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
     return path
 
 
+def weight_file_globs(pid: int) -> list[str]:
+    """Where `write_weights` in process `pid` puts its files, as globs (for its watchdog)."""
+    return [os.path.join(folder, f"{_WEIGHTS_PREFIX}{pid}-*.safetensors") for folder in (_SHM, tempfile.gettempdir())]
+
+
 def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
     """Delete weight files left by a process that was killed mid-sync (its pid is in the name)."""
     import psutil  # a vLLM dependency

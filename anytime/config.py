@@ -35,6 +35,7 @@ class ModelConfig:
     tiny_hidden_size: int = 128
     tiny_layers: int = 2
     tiny_heads: int = 2
+    tiny_kv_heads: int = 1   # key/value heads (grouped-query attention when fewer than tiny_heads)
     gradient_checkpointing: bool = False
 
 

@@ -32,7 +32,8 @@ GOLDEN = REPO / "tests" / "golden" / "quickstart.json"
 COMMON = ["trainer.steps=5", "trainer.save_every=5", "eval.limit=40", "logging.progress=false",
           "logging.tensorboard=false", "trainer.num_threads=1", "sft.steps=0", "model.tiny=false",
           # the close text the goldens were recorded with (the default is now the official one)
-          "summary.close_text=\"\\n\\n...\\n\\n</think>\""]
+          "summary.close_text=\"\\n\\n...\\n\\n</think>\"",
+          "learner.lr=2e-4"]  # the quickstart's RL learning rate when the goldens were recorded
 VARIANTS: dict[str, list[str]] = {
     "torch": ["model.dtype=float64"],
     "pipeline": ["model.dtype=float64", "learner.pipeline.stages=2", "learner.pipeline.schedule=zb-h1",
@@ -50,7 +51,7 @@ def warm_start(root: Path) -> Path:
     out = root / "sft"
     # the last-digit traces the goldens were recorded with (the quickstart now writes whole sums)
     cmd = [sys.executable, "-m", "anytime.cli", "sft", QUICKSTART, "sft.steps=200", "model.dtype=float64",
-           "data.synthetic_whole_sums=false",
+           "data.synthetic_whole_sums=false", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
            f"model.path={root / 'init'}", f"trainer.output_dir={out}", "trainer.num_threads=1"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
     return out / "sft_model"

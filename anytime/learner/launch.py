@@ -95,7 +95,8 @@ def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
         log.info("building a tiny model at %s", path)
         build_tiny_model(path, synthetic.corpus(), hidden_size=recipe.model.tiny_hidden_size,
                          num_layers=recipe.model.tiny_layers,
-                         num_heads=recipe.model.tiny_heads, seed=recipe.trainer.seed)
+                         num_heads=recipe.model.tiny_heads, num_kv_heads=recipe.model.tiny_kv_heads,
+                         seed=recipe.trainer.seed)
     if run_sft_stage and recipe.sft.steps > 0:
         from anytime.learner.sft import run_sft
 

@@ -8,7 +8,7 @@ evaluated greedily at the same budgets on the same held-out problems. Reported o
 start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
 AR-uniform variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
 
-    python eval/ablation.py --seeds 0,1,2,3,4 [--steps 40] [--work runs/ablation] [--out eval/ablation] [key=value ...]
+    python eval/ablation.py --seeds 0,1,2,3,4 [--steps N] [--work runs/ablation] [--out eval/ablation] [key=value ...]
 
 Runs already finished under --work are reused, so an interrupted sweep continues where it stopped, and
 two processes given different seeds (and the same --work) split a sweep over two cores; a last call
@@ -194,13 +194,17 @@ def plot_warm_starts(raw: dict[int, dict[str, dict]], variants: list[str], path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per variant (default: the quickstart's)")
     parser.add_argument("--variants", default=",".join(LADDER), help="a comma list of: " + ", ".join(LADDER))
     parser.add_argument("--work", default="runs/ablation")
     parser.add_argument("--out", default=str(REPO / "eval" / "ablation"))
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.steps is None:  # AR-uniform is then the quickstart run itself
+        from anytime.config import load_recipe
+
+        args.steps = load_recipe(RECIPE, args.overrides).trainer.steps
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in LADDER]
     if unknown:

@@ -24,7 +24,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from anytime.config import load_recipe
 from anytime.stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,13 +157,10 @@ def plot(stats: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def warm_start_table(raw: dict[int, dict[str, dict]], variants: list[str], overrides: list[str]) -> str:
+def warm_start_table(raw: dict[int, dict[str, dict]], variants: list[str], recipe: Any) -> str:
     """Each seed's warm start: its SFT loss, held-out scores and per-skill losses (which skill a failed one lacks)."""
     from warm_start_seeds import skill_losses  # a sibling script in eval/
 
-    from anytime.config import load_recipe
-
-    recipe = load_recipe(RECIPE, overrides)
     lines = ["", "Warm starts (the quickstart's SFT stage, one per seed; loss curves in sft_loss.png). Skill losses: "
              "cross-entropy in nats of the digit a trace line asks for, on held-out traces (log 10 = 2.303 is a "
              "uniform guess):", "",
@@ -176,18 +175,16 @@ def warm_start_table(raw: dict[int, dict[str, dict]], variants: list[str], overr
     return "\n".join(lines) + "\n"
 
 
-def plot_warm_starts(raw: dict[int, dict[str, dict]], variants: list[str], path: Path, overrides: list[str]) -> None:
+def plot_warm_starts(raw: dict[int, dict[str, dict]], variants: list[str], path: Path, recipe: Any) -> None:
     """Every seed's SFT loss curve (10-step means) against the task's loss floors, labelled with the
     warm start's held-out anytime score: a failed warm start shows as a curve stuck on a floor."""
     from warm_start_seeds import loss_floors, plot_losses  # a sibling script in eval/
-
-    from anytime.config import load_recipe
 
     seeds = sorted(raw)
     runs = [{"seed": s, "anytime": statistics.fmean(raw[s][variants[0]]["before"]), "loss": raw[s]["_warm_start"]["sft_loss"]}
             for s in seeds]
     init = str(Path(raw[seeds[0]]["_warm_start"]["path"]).parent / "init")  # any seed's tokenizer: they are the same
-    floors = loss_floors(load_recipe(RECIPE, overrides), init)
+    floors = loss_floors(recipe, init)
     plot_losses({"arms": {"quickstart warm start, every seed": {"seeds": runs}}, "loss_floors": floors}, path)
 
 
@@ -201,10 +198,9 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    recipe = load_recipe(RECIPE, args.overrides)
     if args.steps is None:  # AR-uniform is then the quickstart run itself
-        from anytime.config import load_recipe
-
-        args.steps = load_recipe(RECIPE, args.overrides).trainer.steps
+        args.steps = recipe.trainer.steps
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in LADDER]
     if unknown:
@@ -215,10 +211,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "budgets": BUDGETS,
                                                   "ladder": LADDER, "overrides": args.overrides, "per_seed": raw, "summary": stats}, indent=1))
-    text = table(stats, seeds, args.steps) + warm_start_table(raw, variants, args.overrides)
+    text = table(stats, seeds, args.steps) + warm_start_table(raw, variants, recipe)
     (out / "table.md").write_text(text)
     plot(stats, out / "ablation.png")
-    plot_warm_starts(raw, variants, out / "sft_loss.png", args.overrides)
+    plot_warm_starts(raw, variants, out / "sft_loss.png", recipe)
     print(text)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,14 +119,12 @@ def test_empty_corpus(tmp_path):
 
 def test_the_recipe_sizes_the_tiny_model(tmp_path):
     """`model.tiny_*` reach the builder, key/value heads included (the quickstart uses full attention)."""
-    from pathlib import Path
-
     from anytime.config import load_recipe
     from anytime.learner.launch import prepare_model
 
     quickstart = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
     recipe = load_recipe(quickstart, [f"model.path={tmp_path / 'init'}", "sft.steps=0",
-                                                     "model.tiny_layers=1", "model.tiny_kv_heads=1"])
+                                      "model.tiny_layers=1", "model.tiny_kv_heads=1"])
     config = AutoConfig.from_pretrained(prepare_model(recipe))
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
         64, 1, 2, 1)

@@ -42,16 +42,21 @@ def write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
     return path
 
 
+def _weight_folders() -> tuple[str, str]:
+    """Where `write_weights` may put its files: RAM, else the temp dir (mkstemp's default)."""
+    return _SHM, tempfile.gettempdir()
+
+
 def weight_file_globs(pid: int) -> list[str]:
-    """Where `write_weights` in process `pid` puts its files, as globs (for its watchdog)."""
-    return [os.path.join(folder, f"{_WEIGHTS_PREFIX}{pid}-*.safetensors") for folder in (_SHM, tempfile.gettempdir())]
+    """The files `write_weights` in process `pid` may leave, as globs (for its watchdog)."""
+    return [os.path.join(folder, f"{_WEIGHTS_PREFIX}{pid}-*.safetensors") for folder in _weight_folders()]
 
 
 def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
     """Delete weight files left by a process that was killed mid-sync (its pid is in the name)."""
     import psutil  # a vLLM dependency
 
-    for folder in set(folders or (_SHM, tempfile.gettempdir())):
+    for folder in set(folders or _weight_folders()):
         for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*.safetensors")):
             pid = os.path.basename(path)[len(_WEIGHTS_PREFIX):].split("-", 1)[0]
             if pid.isdigit() and not psutil.pid_exists(int(pid)):

@@ -8,11 +8,15 @@ evaluated greedily at the same budgets on the same held-out problems. Reported o
 start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
 AR-uniform variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
 
-    python eval/ablation.py --seeds 0,1,2,3,4 [--steps N] [--work runs/ablation] [--out eval/ablation] [key=value ...]
+    python eval/ablation.py --seeds 0,1,2,3,4 [--steps N] [--work runs/ablation] [--out eval/ablation]
+                            [--extend-from runs/shorter_sweep] [key=value ...]
 
 Runs already finished under --work are reused, so an interrupted sweep continues where it stopped, and
 two processes given different seeds (and the same --work) split a sweep over two cores; a last call
-with every seed then only gathers. Writes results.json, table.md, ablation.png and sft_loss.png (every
+with every seed then only gathers. `--extend-from OLD` makes a longer sweep from a shorter one: every
+run resumes from OLD's last checkpoint (warm starts are linked, not rebuilt). With the constant
+learning rate and no warmup this requires, and the exact resume (tests/test_trainer.py), that is the
+same run as one trained from scratch for --steps. Writes results.json, table.md, ablation.png and sft_loss.png (every
 seed's warm-start loss curve) to --out.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -50,29 +55,55 @@ LADDER = {
 }
 
 
-def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str]) -> dict[str, dict]:
+def run_name(variant: str) -> str:
+    return variant.split()[0].strip("+").lower().replace("-", "_")
+
+
+def continue_from(old: Path, run: Path, steps: int) -> float:
+    """Copy a shorter sweep's finished run to `run`, to be resumed from its last checkpoint; its wall
+    seconds so far."""
+    from anytime.learner.checkpoint import list_checkpoints
+
+    saved = list_checkpoints(old / "checkpoints")
+    if not (old / "final_eval.json").is_file() or not saved:
+        raise FileNotFoundError(f"--extend-from: {old} is not a finished run with a checkpoint; finish that sweep first")
+    if int(saved[-1].name.removeprefix("step_")) >= steps:
+        raise ValueError(f"--extend-from: {saved[-1]} is not shorter than --steps {steps}")
+    if not run.exists():
+        shutil.copytree(old, run, ignore=shutil.ignore_patterns("final_eval.json"))
+    return float((old / "ablation_seconds.txt").read_text())
+
+
+def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str],
+             extend_from: Path | None = None) -> dict[str, dict]:
     """Warm start for one seed, then every variant from it; the held-out accuracies per budget and the
-    wall seconds of each run (RL plus its two evals)."""
+    wall seconds of each run (RL plus its two evals; an extended run's include the shorter run's)."""
     from anytime.config import load_recipe
     from anytime.learner.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
     shared = work / f"seed{seed}" / "warm_start"
+    if extend_from is not None and not shared.exists():
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        shared.symlink_to((extend_from / f"seed{seed}" / "warm_start").resolve(), target_is_directory=True)
     sft = prepare_model(load_recipe(RECIPE, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
     curve = json.loads((Path(sft) / "sft_loss.json").read_text())
     out: dict[str, dict] = {"_warm_start": {"path": str(sft), "sft_seconds": curve["seconds"],
                                             "sft_loss": [round(x, 4) for x in curve["loss"]]}}
     for name in variants:
-        run = work / f"seed{seed}" / name.split()[0].strip("+").lower().replace("-", "_")
+        run = work / f"seed{seed}" / run_name(name)
         done, timing = run / "final_eval.json", run / "ablation_seconds.txt"
         if not done.is_file():
+            earlier = 0.0
+            if extend_from is not None:
+                earlier = continue_from(extend_from / f"seed{seed}" / run_name(name), run, steps)
             common = base + [f"model.path={sft}", "model.tiny=false", "sft.steps=0", f"trainer.steps={steps}",
-                             f"trainer.output_dir={run}", "trainer.resume=never", f"eval.budgets={BUDGETS}",
-                             f"trainer.save_every={steps}"]
+                             f"trainer.output_dir={run}", f"eval.budgets={BUDGETS}", f"trainer.save_every={steps}",
+                             "trainer.resume=never" if extend_from is None else "trainer.resume=auto"]
             start = time.perf_counter()
             if launch_train(RECIPE, common + LADDER[name]) != 0:
                 raise RuntimeError(f"seed {seed}, {name}: training failed (see {run})")
-            timing.write_text(f"{time.perf_counter() - start:.1f}\n")
+            timing.write_text(f"{earlier + time.perf_counter() - start:.1f}\n")
         history = json.loads(done.read_text())
         out[name] = {phase: [history[phase][f"eval/synthetic/acc@{b}"] for b in BUDGETS] for phase in ("before", "after")}
         out[name]["seconds"] = float(timing.read_text()) if timing.is_file() else None
@@ -112,11 +143,11 @@ def table(stats: dict[str, dict], seeds: list[int], steps: int) -> str:
         row = [name, fmt(s["anytime"]), fmt(s["gain"]) if "gain" in s else "—",
                fmt(s["vs_grpo"]) if s.get("vs_grpo") and name != "GRPO" else "—", *(fmt(a) for a in s["acc"])]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Paired differences from GRPO at every budget:", "",
-              "| policy | " + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 1) + "|"]
-    for name, s in stats.items():
-        if s.get("acc_vs_grpo") and name != "GRPO":
-            lines.append(f"| {name} | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in s["acc_vs_grpo"]) + " |")
+    paired = [(name, s["acc_vs_grpo"]) for name, s in stats.items() if s.get("acc_vs_grpo") and name != "GRPO"]
+    if paired:
+        lines += ["", "Paired differences from GRPO at every budget:", "",
+                  "| policy | " + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in diffs) + " |" for name, diffs in paired]
     lines += ["", "Gain in anytime score over each seed's warm start, and the wall time of each run (RL and its two "
               "evals; runs of different seeds may have shared the machine):", "",
               "| policy | " + " | ".join(f"seed {x}" for x in seeds) + " | worst | mean s per run |",
@@ -195,6 +226,8 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(LADDER), help="a comma list of: " + ", ".join(LADDER))
     parser.add_argument("--work", default="runs/ablation")
     parser.add_argument("--out", default=str(REPO / "eval" / "ablation"))
+    parser.add_argument("--extend-from", type=Path, default=None,
+                        help="a shorter sweep's --work: resume every run from its last checkpoint")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -205,7 +238,10 @@ def main() -> int:
     unknown = [v for v in variants if v not in LADDER]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(LADDER)}")
-    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides) for seed in seeds}
+    if args.extend_from is not None and (recipe.learner.lr_schedule != "constant" or recipe.learner.warmup_steps):
+        parser.error("--extend-from needs learner.lr_schedule=constant and learner.warmup_steps=0: with a schedule "
+                     "a longer run's learning rates differ from the shorter run's; run the sweep from scratch")
+    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides, args.extend_from) for seed in seeds}
     stats = summarise(raw, variants)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

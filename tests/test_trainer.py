@@ -201,3 +201,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     saved = ckpt.list_checkpoints(out / "checkpoints")
     assert len(saved) == 1 and int(saved[0].name.split("_")[1]) >= 2
     assert "stopped by signal" in output
+
+
+def test_threads_are_capped_at_the_process_share_of_the_cores(monkeypatch):
+    from anytime.learner.launch import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * len(os.sched_getaffinity(0))))  # more processes than cores
+        set_threads(load_recipe(QUICKSTART, ["trainer.num_threads=2"]))
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process: all of its cores
+        cores = len(os.sched_getaffinity(0))
+        set_threads(load_recipe(QUICKSTART, [f"trainer.num_threads={cores}"]))
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)

@@ -76,11 +76,16 @@ def preflight(recipe: Recipe) -> None:
 
 
 def set_threads(recipe: Recipe) -> None:
-    """Tiny CPU models run faster on one thread: OpenMP barriers dominate when cores are shared."""
+    """`trainer.num_threads`, capped at this process's share of the cores: when learner processes share
+    a machine, OpenMP barriers of oversubscribed threads dominate a tiny model's step."""
     if recipe.trainer.num_threads > 0:
         import torch
 
-        torch.set_num_threads(recipe.trainer.num_threads)
+        share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if recipe.trainer.num_threads > share:
+            log.info("trainer.num_threads %d capped at %d: this process's share of the cores",
+                     recipe.trainer.num_threads, share)
+        torch.set_num_threads(min(recipe.trainer.num_threads, share))
 
 
 def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:

@@ -13,12 +13,12 @@ AR-uniform variant is the quickstart recipe itself, so its gains are the quickst
 
 Runs already finished under --work are reused, so an interrupted sweep continues where it stopped, and
 two processes given different seeds (the same --work, and `trainer.num_threads=1` so that they do not
-oversubscribe the cores) split a sweep over two cores; a last call
-with every seed then only gathers. `--extend-from OLD` makes a longer sweep from a shorter one: every
-run resumes from OLD's last checkpoint (warm starts are linked, not rebuilt). With the constant
-learning rate and no warmup this requires, and the exact resume (tests/test_trainer.py), that is the
-same run as one trained from scratch for --steps. Writes results.json, table.md, ablation.png and sft_loss.png (every
-seed's warm-start loss curve) to --out.
+oversubscribe the cores) split a sweep over two cores; a last call with every seed then only gathers.
+`--extend-from OLD` makes a longer sweep from a shorter one: every run resumes from OLD's last
+checkpoint (warm starts are linked, not rebuilt). With the constant learning rate and no warmup this
+requires, and the exact resume (tests/test_trainer.py), that is the same run as one trained from scratch
+for --steps. Writes results.json, table.md, ablation.png and sft_loss.png (every seed's warm-start loss
+curve) to --out.
 """
 
 from __future__ import annotations

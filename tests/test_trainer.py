@@ -204,16 +204,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_threads_are_capped_at_the_process_share_of_the_cores(monkeypatch):
-    from anytime.learner.launch import set_threads
+    from anytime.learner.launch import thread_count
 
-    before = torch.get_num_threads()
-    try:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * len(os.sched_getaffinity(0))))  # more processes than cores
-        set_threads(load_recipe(QUICKSTART, ["trainer.num_threads=2"]))
-        assert torch.get_num_threads() == 1
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process: all of its cores
-        cores = len(os.sched_getaffinity(0))
-        set_threads(load_recipe(QUICKSTART, [f"trainer.num_threads={cores}"]))
-        assert torch.get_num_threads() == cores
-    finally:
-        torch.set_num_threads(before)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))  # more processes than cores: one thread each
+    assert thread_count(2) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process: all of its cores, and no more
+    assert thread_count(cores) == cores
+    assert thread_count(cores + 3) == cores

@@ -75,17 +75,20 @@ def preflight(recipe: Recipe) -> None:
                              "or set rollout.engine=hf")
 
 
+def thread_count(requested: int) -> int:
+    """`requested` threads capped at this process's share of the cores: when learner processes share a
+    machine, OpenMP barriers of oversubscribed threads dominate a tiny model's step."""
+    share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if requested > share:
+        log.info("trainer.num_threads %d capped at %d: this process's share of the cores", requested, share)
+    return min(requested, share)
+
+
 def set_threads(recipe: Recipe) -> None:
-    """`trainer.num_threads`, capped at this process's share of the cores: when learner processes share
-    a machine, OpenMP barriers of oversubscribed threads dominate a tiny model's step."""
     if recipe.trainer.num_threads > 0:
         import torch
 
-        share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if recipe.trainer.num_threads > share:
-            log.info("trainer.num_threads %d capped at %d: this process's share of the cores",
-                     recipe.trainer.num_threads, share)
-        torch.set_num_threads(min(recipe.trainer.num_threads, share))
+        torch.set_num_threads(thread_count(recipe.trainer.num_threads))
 
 
 def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:

@@ -76,9 +76,14 @@ def preflight(recipe: Recipe) -> None:
 
 
 def thread_count(requested: int) -> int:
-    """`requested` threads capped at this process's share of the cores: when learner processes share a
-    machine, OpenMP barriers of oversubscribed threads dominate a tiny model's step."""
-    share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """`requested` threads capped at this process's share of the cores (`local_share`, as the rollout
+    workers' `pin_cpus` divides them): when learner processes share a machine, OpenMP barriers of
+    oversubscribed threads dominate a tiny model's step."""
+    from anytime.dist import local_share
+
+    mine = local_share(sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_RANK", "0")),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = max(1, len(mine))
     if requested > share:
         log.info("trainer.num_threads %d capped at %d: this process's share of the cores", requested, share)
     return min(requested, share)

@@ -79,7 +79,6 @@ def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: 
              extend_from: Path | None = None) -> dict[str, dict]:
     """Warm start for one seed, then every variant from it; the held-out accuracies per budget and the
     wall seconds of each run (RL plus its two evals; an extended run's include the shorter run's)."""
-    from anytime.config import load_recipe
     from anytime.learner.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]

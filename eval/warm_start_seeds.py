@@ -102,10 +102,10 @@ def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
     start = time.perf_counter()
     trainer = Trainer(recipe, path)
     try:
-        ev = trainer.evaluate()
+        ev = trainer.evaluate(0)  # step 0: its per-sample records go to eval_samples/step_0.jsonl
     finally:
         trainer.close()
-    budgets = list(trainer.eval_budgets)
+    budgets = list(recipe.eval.budgets or recipe.budget.grid())  # what the rollout worker evaluates at
     loss = curve["loss"]
     return {
         "seed": seed,
@@ -113,6 +113,7 @@ def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
         "final": ev["eval/synthetic/final"],
         "accuracy": {str(b): ev[f"eval/synthetic/acc@{b}"] for b in budgets},
         "think_len": ev["eval/synthetic/think_len"],
+        "skills": skill_losses(recipe, path),  # which skill a weak warm start lacks
         "sft_seconds": curve["seconds"],
         "sft_cpu_seconds": curve.get("cpu_seconds"),
         "eval_seconds": time.perf_counter() - start,
@@ -128,11 +129,13 @@ def write_table(results: dict[str, Any], out: Path) -> str:
         budgets = list(runs[0]["accuracy"]) if runs else []
         lines += [f"### {label}", "", f"commit `{arm['commit']}`, overrides: `{' '.join(arm['overrides']) or '(none)'}`", "",
                   "| seed | " + " | ".join(f"acc@{b}" for b in budgets)
-                  + " | anytime | final | think len | SFT loss (last 50) | SFT s (wall / CPU) |",
-                  "|---" * (len(budgets) + 6) + "|"]
+                  + " | anytime | final | think len | copy | operand | sum | SFT loss (last 50) | SFT s (wall / CPU) |",
+                  "|---" * (len(budgets) + 9) + "|"]
         for r in sorted(runs, key=lambda r: r["seed"]):
             lines.append(f"| {r['seed']} | " + " | ".join(f"{r['accuracy'][b]:.3f}" for b in budgets)
-                         + f" | {r['anytime']:.3f} | {r['final']:.3f} | {r['think_len']:.1f} | {r['final_loss']:.4f}"
+                         + f" | {r['anytime']:.3f} | {r['final']:.3f} | {r['think_len']:.1f} | "
+                         + " | ".join(f"{r.get('skills', {}).get(k, float('nan')):.3f}" for k in SKILLS.values())
+                         + f" | {r['final_loss']:.4f}"
                          f" | {r['sft_seconds']:.0f} / {r.get('sft_cpu_seconds') or float('nan'):.0f} |")
         if runs:
             (ma, ca), (mf, cf) = mean_ci([r["anytime"] for r in runs]), mean_ci([r["final"] for r in runs])

@@ -33,7 +33,8 @@ COMMON = ["trainer.steps=5", "trainer.save_every=5", "eval.limit=40", "logging.p
           "logging.tensorboard=false", "trainer.num_threads=1", "sft.steps=0", "model.tiny=false",
           # the close text the goldens were recorded with (the default is now the official one)
           "summary.close_text=\"\\n\\n...\\n\\n</think>\"",
-          "learner.lr=2e-4"]  # the quickstart's RL learning rate when the goldens were recorded
+          "learner.lr=2e-4",  # the quickstart's RL learning rate when the goldens were recorded
+          "budget.prior=uniform"]  # and its prior
 VARIANTS: dict[str, list[str]] = {
     "torch": ["model.dtype=float64"],
     "pipeline": ["model.dtype=float64", "learner.pipeline.stages=2", "learner.pipeline.schedule=zb-h1",

@@ -6,7 +6,7 @@ every variant trains from it with the same prompts per step, traces per prompt a
 evaluated greedily at the same budgets on the same held-out problems. Reported over seeds: the mean ±
 95% CI (Student t) of the anytime score (mean accuracy over the budgets), of its gain over the warm
 start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
-AR-uniform variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
+"+vr (AR-linear)" variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
 
     python eval/ablation.py --seeds 0,1,2,3,4 [--steps N] [--work runs/ablation] [--out eval/ablation]
                             [--extend-from runs/shorter_sweep] [key=value ...]

@@ -8,9 +8,12 @@ redesign matched the goldens recorded before it (commit 7edcfb3: torch and pipel
 arithmetic on purpose, and that commit says why. They are recorded on an idle machine: under heavy
 load a slow verifier item can reach its 5 s limit and turn from `wrong` into `timeout`.
 The warm start runs in float64 and so do the torch and pipelined learners, so the runs do not
-depend on which CPU kernels a machine picks (float32 runs differ across CPUs after a few hundred
+depend on which BLAS kernels a machine picks (float32 runs differ across CPUs after a few hundred
 steps); DeepSpeed keeps float32 master weights, so its variant runs in float32 with a looser
-tolerance. Each variant: 200 supervised steps (shared), then 5 BRPO steps and a 40-problem eval
+tolerance. torch's own vectorised kernels still reduce in a different order on AVX-512 than on AVX2,
+even in float64, and 200 supervised steps carry that into different greedy samples: the goldens were
+recorded on AVX2, so on x86 every run here is pinned to torch's AVX2 kernels (ATEN_CPU_CAPABILITY;
+on an AVX-512 machine, unpinned, the first eval already differs). Each variant: 200 supervised steps (shared), then 5 BRPO steps and a 40-problem eval
 before and after.
 """
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +50,9 @@ VARIANTS: dict[str, list[str]] = {
 # Relative tolerance per variant: float64 runs agree to summation-order rounding; the float32
 # DeepSpeed run to float32 rounding amplified over 5 steps.
 TOLERANCE = {"torch": 1e-6, "pipeline": 1e-6, "deepspeed": 1e-4}
+# torch's kernels the goldens were recorded with (see the docstring); other platforms keep their own
+ENV = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"} if platform.machine().lower() in ("x86_64", "amd64") \
+    else dict(os.environ)
 
 
 def warm_start(root: Path) -> Path:
@@ -55,14 +63,14 @@ def warm_start(root: Path) -> Path:
            "data.synthetic_whole_sums=false", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
            f"model.path={root / 'init'}", f"trainer.output_dir={out}",
            "trainer.num_threads=2"]  # float64: the thread count changes sums only far below the tolerances
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900, env=ENV)
     return out / "sft_model"
 
 
 def run_variant(name: str, model: Path, out: Path) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *COMMON, *VARIANTS[name],
            f"model.path={model}", f"trainer.output_dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[str, dict] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():

@@ -115,9 +115,11 @@ def _spawned(rank: int, init_file: str, body, *args) -> None:
         dist.destroy_process_group()
 
 
-def _check_cases(tmp_path: Path, dirs: dict, cases: list[dict], dtype: torch.dtype, tol: float) -> dict:
+def _check_cases(tmp_path: Path, dirs: dict, cases: list[dict], dtype: torch.dtype, tol: float,
+                 weight_tol: float | None = None) -> dict:
     """Every rank's full model and statistics against the single-process reference (the worst
-    weight difference per case; for bf16 cases the cosine of the update with the reference's)."""
+    weight difference per case; for bf16 cases the cosine of the update with the reference's).
+    `weight_tol` (default `tol`) bounds the weights apart from the log-probs and statistics."""
     worst = {}
     for case in cases:
         model_dir = dirs["tied" if case["tied"] else "untied"]
@@ -128,7 +130,7 @@ def _check_cases(tmp_path: Path, dirs: dict, cases: list[dict], dtype: torch.dty
         bf16 = case.get("bf16", False)
         # bf16 rounds every weight and activation: its statistics agree to ~1e-3, its weights only within
         # bf16 rounding (larger than one update), so the update's direction is compared instead.
-        weight_tol, lp_tol, stat_tol = (None, 5e-2, 1e-2) if bf16 else (tol, tol, 10 * tol)
+        case_weight_tol, lp_tol, stat_tol = (None, 5e-2, 1e-2) if bf16 else (weight_tol or tol, tol, 10 * tol)
         worst[case["id"]] = 1.0 if bf16 else 0.0
         for r in range(WORLD):
             run = torch.load(tmp_path / f"{case['id']}.rank{r}.pt")
@@ -140,7 +142,7 @@ def _check_cases(tmp_path: Path, dirs: dict, cases: list[dict], dtype: torch.dty
             else:
                 err = _max_diff(run["weights"], ref["weights"])
                 worst[case["id"]] = max(worst[case["id"]], err)
-                assert err <= weight_tol, f"{where}: weights differ by {err}"
+                assert err <= case_weight_tol, f"{where}: weights differ by {err}"
             rows = (batch.prompt_index % REPLICAS == run["replica"]).nonzero().flatten()
             mine = ref["old_logprobs"][rows]
             got = run["old_logprobs"]
@@ -229,7 +231,11 @@ def test_deepspeed_zero_on_a_mesh_equals_the_single_process_update(tmp_path, par
     shm_before = set(os.listdir("/dev/shm"))
     dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
     mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_body, str(tmp_path), dirs, cases), nprocs=WORLD)
-    worst = _check_cases(tmp_path, dirs, cases, torch.float32, 1e-6)
+    # Weights within 1e-5, 1% of one Adam step (lr 1e-3): Adam divides each gradient by its own root
+    # mean square, so where a gradient is near zero float32 summation-order noise (ZeRO's reduce vs
+    # one process's backward) moves the update by up to ~lr; CI saw 1.5e-6. A lost shard or a missing
+    # gradient moves weights by a whole step.
+    worst = _check_cases(tmp_path, dirs, cases, torch.float32, 1e-6, weight_tol=1e-5)
     print("max |weights - reference| (fp32):", worst)
     assert set(os.listdir("/dev/shm")) <= shm_before  # DeepSpeed's shared-memory op was not used
 

@@ -13,6 +13,7 @@ overrides); results of several arms are kept side by side. Writes eval/warm_star
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -55,7 +56,9 @@ def skill_losses(recipe: Any, model_path: str, size: int = 300) -> dict[str, flo
     """Mean cross-entropy (nats) of a warm-started model on held-out reference traces, per skill: `copy`
     (v, the previous line's last digit), `operand` (x, looked up as "Step k: add x" in the prompt) and
     `sum` (the first digit of n, the one that needs both). log 10 = 2.303 is a uniform guess over digits: the
-    skill is not learned at all. A failed warm start shows which one it failed."""
+    skill is not learned at all. A failed warm start shows which one it failed. `operand@k` splits the
+    operand loss by the trace line's step number k: a lookup that only works for the first step has not
+    learnt to match "Step k"."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,10 +72,15 @@ def skill_losses(recipe: Any, model_path: str, size: int = 300) -> dict[str, flo
         with torch.no_grad():
             nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
         tokens = tokenizer.convert_ids_to_tokens(prompt + completion)
+        step = ""  # the step number k of the trace line being read
         for i in range(len(prompt), len(tokens)):
+            if i == len(prompt) or tokens[i - 1] == "Ċ":  # a line starts: "k:" or a filler line
+                step = "".join(itertools.takewhile(str.isdigit, tokens[i:i + 3])) or step
             skill = SKILLS.get(tokens[i - 1])
             if skill and tokens[i].isdigit():
                 sums[skill].append(float(nll[i - 1]))
+                if skill == "operand" and step:
+                    sums.setdefault(f"operand@{step}", []).append(float(nll[i - 1]))
     return {k: statistics.fmean(v) for k, v in sums.items() if v}
 
 

@@ -60,7 +60,8 @@ def warm_start(root: Path) -> Path:
     out = root / "sft"
     # the last-digit traces the goldens were recorded with (the quickstart now writes whole sums)
     cmd = [sys.executable, "-m", "anytime.cli", "sft", QUICKSTART, "sft.steps=200", "model.dtype=float64",
-           "data.synthetic_whole_sums=false", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
+           "data.synthetic_whole_sums=false",
+           "model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
            f"model.path={root / 'init'}", f"trainer.output_dir={out}",
            "trainer.num_threads=2"]  # float64: the thread count changes sums only far below the tolerances
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900, env=ENV)

@@ -167,10 +167,12 @@ def plot(stats: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colours = {name: "grey" if name == "warm start" else f"C{k}" for k, name in enumerate(stats)}  # one per policy, both panels
     for k, (name, s) in enumerate(stats.items()):
         offset = (k - len(stats) / 2) * 0.6
         left.errorbar([b + offset for b in BUDGETS], [m for m, _ in s["acc"]], yerr=[h for _, h in s["acc"]],
-                      marker="o", capsize=3, label=name, linestyle="--" if name == "warm start" else "-")
+                      marker="o", capsize=3, label=name, color=colours[name],
+                      linestyle="--" if name == "warm start" else "-")
     left.set_xlabel("thinking budget (tokens)")
     left.set_ylabel("held-out accuracy (greedy)")
     left.set_ylim(0, 1)
@@ -178,7 +180,7 @@ def plot(stats: dict[str, dict], path: Path) -> None:
     left.legend(fontsize=8)
     names = list(stats)
     right.bar(names, [stats[n]["anytime"][0] for n in names], yerr=[stats[n]["anytime"][1] for n in names],
-              capsize=4, color=["grey"] + ["C%d" % i for i in range(len(names) - 1)])
+              capsize=4, color=[colours[n] for n in names])
     right.set_ylabel("anytime score (mean over budgets)")
     right.tick_params(axis="x", rotation=25)
     right.grid(alpha=0.3, axis="y")

@@ -1,0 +1,41 @@
+"""eval/headroom.py: the no-filler reference policy's accuracy per budget on the trainer's held-out
+synthetic set (the ceiling the README sets the quickstart's gains against)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "eval"))
+
+from headroom import GUESS, format_ceiling  # noqa: E402
+
+from anytime import synthetic  # noqa: E402
+from anytime.benchmarks import load_benchmark  # noqa: E402
+from anytime.tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tok"), synthetic.corpus(), hidden_size=16, num_layers=1, num_heads=1)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_the_ceiling_is_a_guess_below_every_trace_and_certain_above(tokenizer):
+    rows = load_benchmark("synthetic", limit=50, seed=0, synthetic_ops=(3, 6))
+    acc = format_ceiling(rows, tokenizer, [0, 16, 32, 48, 10_000], (3, 6))
+    assert acc[0] == pytest.approx(GUESS) and acc[10_000] == 1.0
+    # a 3-step trace ("1: 3+6=9" a line) needs more than 16 tokens; longer budgets fit more of them
+    assert acc[16] == pytest.approx(GUESS) and GUESS < acc[32] <= acc[48] < 1.0
+
+
+def test_a_row_that_is_not_its_ids_problem_is_refused(tokenizer):
+    rows = load_benchmark("synthetic", limit=3, seed=0, synthetic_ops=(3, 6))
+    bad = [rows[0].__class__(rows[0].id, rows[1].problem, rows[1].answer)]
+    with pytest.raises(ValueError, match="not the synthetic problem"):
+        format_ceiling(bad, tokenizer, [64], (3, 6))

@@ -5,9 +5,9 @@ That policy writes the reference trace ("1: 3+6=9", one line per step) with no f
 budget b leaves it the answer when the whole trace fits in b tokens; otherwise its summary guesses one
 digit in ten. It is about the ceiling of the trace format the warm start learns: a summary after a cut
 can do a little better than a blind guess (it may add the last line's operands itself), and a policy
-that invented a shorter format could pass it further; none here does. For each seed's held-out eval set (the trainer's own:
-200 problems, the recipe's budgets) this prints its accuracy per budget and anytime score, and with
-`--ablation results.json` the warm start's and each variant's score against it.
+that invented a shorter format could pass it further; none here does. For each seed's held-out eval
+set (the trainer's own: 200 problems, the recipe's budgets) this prints its accuracy per budget and
+anytime score, and with `--ablation results.json` the warm start's and each variant's score against it.
 
     python eval/headroom.py [--seeds 0,1,2,3,4] [--ablation eval/ablation/results.json]
 
@@ -46,25 +46,31 @@ def format_ceiling(rows: list[Any], tokenizer: Any, budgets: list[int], ops: tup
     return {b: statistics.fmean(1.0 if n <= b else GUESS for n in lengths) for b in budgets}
 
 
+def quickstart_tokenizer() -> Any:
+    """The quickstart's tokenizer (trained on the fixed synthetic corpus: the same for every seed)."""
+    from transformers import AutoTokenizer
+
+    from anytime import synthetic
+    from anytime.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:  # the builder writes a (here tiny) model beside it
+        return AutoTokenizer.from_pretrained(build_tiny_model(tmp, synthetic.corpus(), hidden_size=16,
+                                                              num_layers=1, num_heads=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--ablation", type=Path, default=None, help="an eval/ablation.py results.json to set against it")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    from anytime import synthetic
     from anytime.benchmarks import load_benchmark
     from anytime.config import load_recipe
-    from anytime.tiny import build_tiny_model
 
     recipe = load_recipe(RECIPE)
     budgets = list(recipe.eval.budgets or recipe.budget.grid())
     ops = (recipe.data.synthetic_min_ops, recipe.data.synthetic_max_ops)
     ablation = json.loads(args.ablation.read_text()) if args.ablation else None
-    with tempfile.TemporaryDirectory() as tmp:  # the quickstart's tokenizer: the same for every seed
-        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp, synthetic.corpus(), hidden_size=16,
-                                                                   num_layers=1, num_heads=1))
+    tokenizer = quickstart_tokenizer()
     for seed in [int(s) for s in args.seeds.split(",")]:
         rows = load_benchmark("synthetic", limit=recipe.eval.limit, seed=seed, synthetic_ops=ops)
         acc = format_ceiling(rows, tokenizer, budgets, ops)

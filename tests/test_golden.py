@@ -13,8 +13,8 @@ steps); DeepSpeed keeps float32 master weights, so its variant runs in float32 w
 tolerance. torch's own vectorised kernels still reduce in a different order on AVX-512 than on AVX2,
 even in float64, and 200 supervised steps carry that into different greedy samples: the goldens were
 recorded on AVX2, so on x86 every run here is pinned to torch's AVX2 kernels (ATEN_CPU_CAPABILITY;
-on an AVX-512 machine, unpinned, the first eval already differs). Each variant: 200 supervised steps (shared), then 5 BRPO steps and a 40-problem eval
-before and after.
+on an AVX-512 machine, unpinned, the first eval already differs). Each variant: 200 supervised steps
+(shared), then 5 BRPO steps and a 40-problem eval before and after.
 """
 
 from __future__ import annotations
@@ -50,9 +50,14 @@ VARIANTS: dict[str, list[str]] = {
 # Relative tolerance per variant: float64 runs agree to summation-order rounding; the float32
 # DeepSpeed run to float32 rounding amplified over 5 steps.
 TOLERANCE = {"torch": 1e-6, "pipeline": 1e-6, "deepspeed": 1e-4}
-# torch's kernels the goldens were recorded with (see the docstring); other platforms keep their own
-ENV = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"} if platform.machine().lower() in ("x86_64", "amd64") \
-    else dict(os.environ)
+
+
+def pinned_env() -> dict[str, str]:
+    """This process's environment with torch's kernels the goldens were recorded with (see the
+    docstring); other platforms keep their own."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    return dict(os.environ)
 
 
 def warm_start(root: Path) -> Path:
@@ -64,14 +69,14 @@ def warm_start(root: Path) -> Path:
            "model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
            f"model.path={root / 'init'}", f"trainer.output_dir={out}",
            "trainer.num_threads=2"]  # float64: the thread count changes sums only far below the tolerances
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900, env=ENV)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900, env=pinned_env())
     return out / "sft_model"
 
 
 def run_variant(name: str, model: Path, out: Path) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *COMMON, *VARIANTS[name],
            f"model.path={model}", f"trainer.output_dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=pinned_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[str, dict] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():

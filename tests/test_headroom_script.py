@@ -11,19 +11,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "eval"))
 
-from headroom import GUESS, format_ceiling  # noqa: E402
+from headroom import GUESS, format_ceiling, quickstart_tokenizer  # noqa: E402
 
-from anytime import synthetic  # noqa: E402
 from anytime.benchmarks import load_benchmark  # noqa: E402
-from anytime.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = build_tiny_model(tmp_path_factory.mktemp("tok"), synthetic.corpus(), hidden_size=16, num_layers=1, num_heads=1)
-    return AutoTokenizer.from_pretrained(path)
+def tokenizer():
+    return quickstart_tokenizer()
 
 
 def test_the_ceiling_is_a_guess_below_every_trace_and_certain_above(tokenizer):

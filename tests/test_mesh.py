@@ -130,7 +130,7 @@ def _check_cases(tmp_path: Path, dirs: dict, cases: list[dict], dtype: torch.dty
         bf16 = case.get("bf16", False)
         # bf16 rounds every weight and activation: its statistics agree to ~1e-3, its weights only within
         # bf16 rounding (larger than one update), so the update's direction is compared instead.
-        case_weight_tol, lp_tol, stat_tol = (None, 5e-2, 1e-2) if bf16 else (weight_tol or tol, tol, 10 * tol)
+        case_weight_tol, lp_tol, stat_tol = (None, 5e-2, 1e-2) if bf16 else (tol if weight_tol is None else weight_tol, tol, 10 * tol)
         worst[case["id"]] = 1.0 if bf16 else 0.0
         for r in range(WORLD):
             run = torch.load(tmp_path / f"{case['id']}.rank{r}.pt")

@@ -6,7 +6,10 @@ A recipe supplies what the trainer's in-training eval uses, so offline numbers m
 during training: budgets (`eval.budgets`, else the training grid), one summary per budget of
 `summary.max_tokens` with `summary.close_text` / `header` / `think_end`, sampled at
 `eval.temperature` like the thinking; `data.instruction`, `data.max_prompt_len`, `eval.benchmarks`,
-`eval.samples`, `eval.top_p`, `eval.data_dir`, `eval.limit`, `model.dtype` and `rollout.engine`.
+`eval.samples`, `eval.top_p`, `eval.seed` (the sampling seed), `eval.data_dir`, `eval.limit`,
+`model.dtype`, `rollout.engine` and `trainer.seed` (which held-out synthetic problems). Every training
+run saves its resolved recipe as `recipe.yaml`, so `anytime eval --recipe RUN/recipe.yaml --model
+RUN/checkpoints/step_N` scores a checkpoint exactly as the run's own eval did.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class EvalOptions:
     temperature: float = 0.6              # 0 = greedy
     summary_temperature: float | None = None   # None: the thinking temperature
     top_p: float = 0.95
+    seed: int = 0                         # picks the synthetic benchmark's problems; a run's trainer.seed
+    sample_seed: int | None = None        # of the sampled traces and summaries; None: `seed`
     max_prompt_len: int = 1024
     data_dir: str | None = None
     limit: int | None = None
@@ -70,6 +75,7 @@ def recipe_options(recipe: Any) -> dict[str, Any]:
                 samples=ev.samples, summaries=1, summary_max_tokens=summary.max_tokens,
                 close_text=summary.close_text, header=summary.header, think_end=summary.think_end,
                 instruction=recipe.data.instruction, temperature=ev.temperature, top_p=ev.top_p,
+                seed=recipe.trainer.seed, sample_seed=ev.seed,
                 max_prompt_len=recipe.data.max_prompt_len, data_dir=ev.data_dir, limit=ev.limit,
                 dtype=recipe.model.dtype, engine=recipe.rollout.engine)
 
@@ -92,6 +98,10 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default {d.temperature})")
     parser.add_argument("--summary-temperature", type=float, default=None, help="default: --temperature")
     parser.add_argument("--top-p", type=float, default=None, help=f"default {d.top_p}")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="picks the synthetic benchmark's held-out problems (default 0; a recipe's trainer.seed)")
+    parser.add_argument("--sample-seed", type=int, default=None,
+                        help="seed of the sampled traces and summaries (default: --seed; a recipe's eval.seed)")
     parser.add_argument("--max-prompt-len", type=int, default=None, help=f"default {d.max_prompt_len}")
     parser.add_argument("--data-dir", default=None, help="local benchmark files instead of the hub")
     parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")

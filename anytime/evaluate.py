@@ -84,7 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"re-verify DIR/{SAMPLES_FILE} (e.g. after a verifier fix) without generating, "
                              "and rewrite DIR's results")
     add_option_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-prompts", type=int, default=32)
     parser.add_argument("--verifier-workers", type=int, default=None, help="default: all cores")
 
@@ -106,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
     from anytime.reward import RewardScorer
 
     opts = resolve_options(args)
+    sample_seed = opts.seed if opts.sample_seed is None else opts.sample_seed
     budgets = list(opts.budgets)
     out = Path(args.out)
-    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=args.seed)
+    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed)
             for name in opts.benchmarks}
     limits = {model: model_max_len(model) for model in args.model}  # fail before any generation
     rooms = {model: summary_room(model, opts) for model in args.model}
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                              f"max length {limit}; lower --budgets")
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"budgets": budgets, "samples": opts.samples, "temperature": opts.temperature,
-                               "seed": args.seed, "settings": {**dataclasses.asdict(opts), "recipe": args.recipe},
+                               "seed": opts.seed, "sample_seed": sample_seed,
+                               "settings": {**dataclasses.asdict(opts), "recipe": args.recipe},
                                "models": {}}
     total = len(args.model) * sum(len(r) for r in data.values())
     samples_tmp = out / (SAMPLES_FILE + ".tmp")
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 max_len = min(max_len, limits[model]) if limits[model] else max_len
                 with model_folder(model, out) as folder:
                     results["models"][model] = _evaluate_model(model, folder, max_len, opts, data, scorer, args,
-                                                               bar.update, f)
+                                                               sample_seed, bar.update, f)
         os.replace(samples_tmp, out / SAMPLES_FILE)
     finally:
         samples_tmp.unlink(missing_ok=True)  # no half-written samples file left behind
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, data: Mapping[str, Sequence[PromptRow]],
-                    scorer: Any, args: argparse.Namespace, on_batch: Callable[[int], None],
+                    scorer: Any, args: argparse.Namespace, sample_seed: int, on_batch: Callable[[int], None],
                     samples: IO[str]) -> dict[str, Any]:
     """One model on every benchmark: results per benchmark; its records are appended to `samples`
     as they come (a paper-size eval holds ~10^5 of them)."""
@@ -154,14 +155,14 @@ def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, da
     tokenizer = AutoTokenizer.from_pretrained(folder)
     per_bench = {}
     with create_engine(opts.engine, folder, max_model_len=max_len, max_prompt_len=opts.max_prompt_len,
-                       dtype=opts.dtype, seed=args.seed) as engine:
-        runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(args.seed))
+                       dtype=opts.dtype, seed=sample_seed) as engine:
+        runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(sample_seed))
         for name, rows in data.items():
             start = time.perf_counter()
             records: list[Record] = []
             per_bench[name] = evaluate_rows(runner, tokenizer, rows, budgets=opts.budgets,
                                             instruction=opts.instruction, max_prompt_len=opts.max_prompt_len,
-                                            batch_prompts=args.batch_prompts, seed=args.seed, on_batch=on_batch,
+                                            batch_prompts=args.batch_prompts, seed=sample_seed, on_batch=on_batch,
                                             limit_name="--max-prompt-len", records=records,
                                             tags={"model": model, "benchmark": name})
             per_bench[name]["seconds"] = time.perf_counter() - start

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from anytime.cli import main
 from anytime.config import load_recipe
+from anytime.eval_records import read_samples
 from anytime.learner import checkpoint as ckpt
 from anytime.learner.launch import launch_train, preflight
 
@@ -50,7 +52,21 @@ def test_resume_gives_the_same_next_step(tmp_path):
     rows = [json.loads(line) for line in (full / "eval_samples" / "step_3.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["step"] == 3 and len(r["budgets"]) == 2 for r in rows)
     uncapped = (part / "eval_samples" / "step_0.jsonl").read_text().splitlines()
-    assert len(uncapped) == 4  # eval.limit problems × eval.samples
+    assert len(uncapped) == 4 * 8  # eval.limit problems × eval.samples
+    # the run's saved recipe makes `anytime eval` score its checkpoint exactly as the (sampled) in-training eval did
+    out = tmp_path / "offline"
+    assert main(["eval", "--recipe", str(full / "recipe.yaml"), "--model", str(full / "checkpoints" / "step_3"),
+                 "--verifier-workers", "1", "--out", str(out)]) == 0
+    offline = json.loads((out / "results.json").read_text())["models"][str(full / "checkpoints" / "step_3")]["synthetic"]
+    after = json.loads((full / "final_eval.json").read_text())["after"]
+    assert offline["accuracy"] == [after[f"eval/synthetic/acc@{b}"] for b in (8, 16)]
+
+    def sampled(records):  # every trace's length and summary texts (the scores of this model are all 0)
+        return [(r["index"], r["sample"], r["thinking_length"], [s["text"] for e in r["budgets"] for s in e["summaries"]])
+                for r in records]
+
+    kept = sampled(read_samples(full / "eval_samples" / "step_3.jsonl"))   # the 3 records the cap kept
+    assert [s for s in sampled(read_samples(out / "samples.jsonl")) if s[:2] in {k[:2] for k in kept}] == kept
 
 
 def test_missing_inputs_fail_before_any_work(tmp_path):

@@ -151,6 +151,9 @@ class Trainer:
             self._sync_weights()
         logger = MetricsLogger(self.out, r.logging, r.trainer.steps, enabled=self.rank == 0,
                                run_config=r.to_dict(), start_step=start_step)
+        if self.rank == 0:  # the resolved recipe: `anytime eval --recipe` on it scores like the in-training eval
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "recipe.yaml").write_text(r.to_yaml())
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if "before" not in history:

@@ -129,7 +129,7 @@ class RolloutWorker:
         return batch, sums, timings
 
     def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Held-out accuracy at every eval budget on the recipe's benchmarks (greedy by default), and
+        """Held-out accuracy at every eval budget on the recipe's benchmarks (at `eval.temperature`), and
         per-sample records (`anytime.eval_records`, tagged with the benchmark), at most
         `eval.max_sample_records` shared fairly between the benchmarks."""
         from anytime.benchmarks import load_benchmark

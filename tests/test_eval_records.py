@@ -101,14 +101,17 @@ def test_recipe_supplies_the_in_training_eval_settings(tmp_path):
 
     opts = resolve_options(_args("--recipe", "recipes/quickstart.yaml"))
     assert opts.budgets == (16, 32, 48, 64) and opts.benchmarks == ("synthetic",)
-    assert (opts.samples, opts.summaries, opts.summary_max_tokens, opts.temperature, opts.limit) == (1, 1, 8, 0.0, 200)
+    assert (opts.samples, opts.summaries, opts.summary_max_tokens, opts.temperature, opts.top_p, opts.limit) == \
+        (8, 1, 8, 0.6, 0.95, 200)
     assert (opts.engine, opts.dtype, opts.max_prompt_len) == ("hf", "float32", 128)
+    assert (opts.seed, opts.sample_seed) == (0, 12345)   # trainer.seed picks the problems, eval.seed samples
     settings = opts.settings(seed=3)
-    assert settings.summary_temperature == 0.0 and settings.summaries_per_budget == 1 and settings.seed == 3
+    assert settings.summary_temperature == 0.6 and settings.summaries_per_budget == 1 and settings.seed == 3
     # explicit flags win over the recipe
     opts = resolve_options(_args("--recipe", "recipes/quickstart.yaml", "--budgets", "8:24:8", "--temperature", "0.5",
-                                 "--benchmarks", "math500, amc22", "--header", "\nAnswer:"))
+                                 "--benchmarks", "math500, amc22", "--header", "\nAnswer:", "--seed", "4"))
     assert opts.budgets == (8, 16, 24) and opts.temperature == 0.5 and opts.benchmarks == ("math500", "amc22")
+    assert (opts.seed, opts.sample_seed) == (4, 12345)
     assert opts.header == "\nAnswer:" and opts.settings(0).summary_temperature == 0.5
     # eval.budgets, when set, is used instead of the training grid; summary.* and data.* carry over
     recipe = tmp_path / "r.yaml"

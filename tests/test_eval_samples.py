@@ -138,6 +138,7 @@ def test_recipe_sets_the_eval_like_the_trainer(tiny_model_dir, tmp_path, capsys)
     assert results["budgets"] == [16, 32, 48, 64] and list(results["models"][tiny_model_dir]) == ["synthetic"]
     settings = results["settings"]
     assert (settings["recipe"], settings["engine"], settings["summary_max_tokens"], settings["temperature"]) == \
-        ("recipes/quickstart.yaml", "hf", 8, 0.0)
-    assert len(read_samples(out / "samples.jsonl")) == 2
+        ("recipes/quickstart.yaml", "hf", 8, 0.6)
+    assert (results["seed"], results["sample_seed"]) == (0, 12345)   # trainer.seed, eval.seed
+    assert len(read_samples(out / "samples.jsonl")) == 2 * 8   # problems × eval.samples
     assert "acc@64" in capsys.readouterr().out

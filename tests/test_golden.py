@@ -39,7 +39,8 @@ COMMON = ["trainer.steps=5", "trainer.save_every=5", "eval.limit=40", "logging.p
           # the close text the goldens were recorded with (the default is now the official one)
           "summary.close_text=\"\\n\\n...\\n\\n</think>\"",
           "learner.lr=2e-4",  # the quickstart's RL learning rate when the goldens were recorded
-          "budget.prior=uniform"]  # and its prior
+          "budget.prior=uniform",  # and its prior
+          "eval.temperature=0", "eval.samples=1"]  # and its greedy eval
 VARIANTS: dict[str, list[str]] = {
     "torch": ["model.dtype=float64"],
     "pipeline": ["model.dtype=float64", "learner.pipeline.stages=2", "learner.pipeline.schedule=zb-h1",

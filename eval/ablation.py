@@ -2,10 +2,13 @@
 rewards) → + decoupled summaries → + variance reduction (BRPO = AR-linear) → AR-uniform.
 
 For every seed one tiny model is built and warm-started (the quickstart's SFT stage, that seed), then
-every variant trains from it with the same prompts per step, traces per prompt and steps; all are
-evaluated greedily at the same budgets on the same held-out problems. Reported over seeds: the mean ±
-95% CI (Student t) of the anytime score (mean accuracy over the budgets), of its gain over the warm
-start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
+every variant trains from it with the same prompts per step, traces per prompt and steps. The warm start
+and every variant's final checkpoint are then scored by `anytime eval` at the same budgets on the same
+held-out problems under two protocols: sampled as the paper validates (temperature 0.6, top-p 0.95,
+8 traces per problem: the quickstart's own eval) and greedy (one trace per problem), which hides the
+filler lines the task rewards dropping (eval/heldout/README.md). Reported over seeds, per protocol: the
+mean ± 95% CI (Student t) of the anytime score (mean accuracy over the budgets), of its gain over the
+warm start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
 "+vr (AR-linear)" variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
 
     python eval/ablation.py --seeds 0,1,2,3,4 [--steps N] [--work runs/ablation] [--out eval/ablation]
@@ -17,16 +20,19 @@ oversubscribe the cores) split a sweep over two cores; a last call with every se
 `--extend-from OLD` makes a longer sweep from a shorter one: every run resumes from OLD's last
 checkpoint (warm starts are linked, not rebuilt). With the constant learning rate and no warmup this
 requires, and the exact resume (tests/test_trainer.py), that is the same run as one trained from scratch
-for --steps. Writes results.json, table.md, ablation.png and sft_loss.png (every seed's warm-start loss
-curve) to --out.
+for --steps. Scores are cached per seed (`eval_<protocol>.json` under --work) until a run of that seed
+is newer. Writes results.json, table.md, ablation.png (sampled), ablation_greedy.png and sft_loss.png
+(every seed's warm-start loss curve) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +60,16 @@ LADDER = {
     "AR-uniform": [*DENSE, "budget.prior=uniform", "summary.n=2", "summary.estimator=brpo",
                    "algorithm.variance_reduction=brpo"],
 }
+
+
+# `anytime eval` flags of each protocol; the rest (summaries, problems, sampling seed) is the recipe's.
+PROTOCOLS = {
+    "sampled": ["--temperature", "0.6", "--top-p", "0.95", "--samples", "8"],   # the paper's validation
+    "greedy": ["--temperature", "0", "--samples", "1"],
+}
+PROTOCOL_TITLES = {"sampled": "sampled as the paper validates (temperature 0.6, top-p 0.95, 8 traces per problem)",
+                   "greedy": "greedy (one trace per problem)"}
+WARM = "warm start"
 
 
 def run_name(variant: str) -> str:
@@ -104,40 +120,74 @@ def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: 
             if launch_train(RECIPE, common + LADDER[name]) != 0:
                 raise RuntimeError(f"seed {seed}, {name}: training failed (see {run})")
             timing.write_text(f"{earlier + time.perf_counter() - start:.1f}\n")
-        history = json.loads(done.read_text())
-        out[name] = {phase: [history[phase][f"eval/synthetic/acc@{b}"] for b in BUDGETS] for phase in ("before", "after")}
-        out[name]["seconds"] = float(timing.read_text()) if timing.is_file() else None
+        out[name] = {"seconds": float(timing.read_text()) if timing.is_file() else None}
+    models = {WARM: Path(sft), **{name: final_checkpoint(work / f"seed{seed}" / run_name(name)) for name in variants}}
+    out["_eval"] = {protocol: score(models, work / f"seed{seed}", protocol, base) for protocol in PROTOCOLS}
     return out
 
 
-def summarise(raw: dict[int, dict[str, dict]], variants: list[str]) -> dict[str, dict]:
+def final_checkpoint(run: Path) -> Path:
+    from anytime.learner.checkpoint import list_checkpoints
+
+    saved = list_checkpoints(run / "checkpoints")
+    if not saved:
+        raise FileNotFoundError(f"{run} has no checkpoint to evaluate; delete its final_eval.json to train it again")
+    return saved[-1]
+
+
+def score(models: dict[str, Path], folder: Path, protocol: str, overrides: list[str]) -> dict[str, list[float]]:
+    """Accuracy at every budget of each model, by one `anytime eval` under `protocol` with the sweep's
+    recipe; cached in `folder/eval_<protocol>.json` while no model is newer than the cache."""
+    cache = folder / f"eval_{protocol}.json"
+    paths = {name: str(path) for name, path in models.items()}
+    if cache.is_file() and max(p.stat().st_mtime for p in models.values()) < cache.stat().st_mtime:
+        cached = json.loads(cache.read_text())
+        if cached["models"] == paths and cached["flags"] == PROTOCOLS[protocol]:
+            return cached["accuracy"]
+    recipe = load_recipe(RECIPE, overrides)   # trainer.seed among them: the seed's held-out problems
+    recipe_file, out = folder / "eval_recipe.yaml", folder / f"eval_{protocol}"
+    recipe_file.write_text(recipe.to_yaml())
+    cmd = [sys.executable, "-m", "anytime.cli", "eval", "--recipe", str(recipe_file),
+           "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out), *PROTOCOLS[protocol],
+           *(arg for path in paths.values() for arg in ("--model", path))]
+    # the thread count of the training runs, so that two sweeps side by side do not oversubscribe the cores
+    env = {**os.environ, "OMP_NUM_THREADS": str(recipe.trainer.num_threads)}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    results = json.loads((out / "results.json").read_text())["models"]
+    accuracy = {name: results[path]["synthetic"]["accuracy"] for name, path in paths.items()}
+    cache.write_text(json.dumps({"models": paths, "flags": PROTOCOLS[protocol], "accuracy": accuracy}, indent=1))
+    return accuracy
+
+
+def summarise(raw: dict[int, dict[str, dict]], variants: list[str], protocol: str) -> dict[str, dict]:
     seeds = sorted(raw)
+    acc = {s: raw[s]["_eval"][protocol] for s in seeds}   # {seed: {policy: accuracy at every budget}}
     stats: dict[str, dict] = {}
-    warm = [statistics.fmean(raw[s][variants[0]]["before"]) for s in seeds]
-    stats["warm start"] = {"anytime": mean_ci(warm),
-                           "acc": [mean_ci([raw[s][variants[0]]["before"][j] for s in seeds]) for j in range(len(BUDGETS))]}
+    warm = [statistics.fmean(acc[s][WARM]) for s in seeds]
+    stats[WARM] = {"anytime": mean_ci(warm), "acc": [mean_ci([acc[s][WARM][j] for s in seeds]) for j in range(len(BUDGETS))]}
     for name in variants:
-        after = [statistics.fmean(raw[s][name]["after"]) for s in seeds]
+        after = [statistics.fmean(acc[s][name]) for s in seeds]
         stats[name] = {
             "anytime": mean_ci(after),
             "gain": mean_ci([a - w for a, w in zip(after, warm)]),
             "gain_per_seed": [a - w for a, w in zip(after, warm)],
             "seconds": [raw[s][name].get("seconds") for s in seeds],
-            "acc": [mean_ci([raw[s][name]["after"][j] for s in seeds]) for j in range(len(BUDGETS))],
-            "vs_grpo": mean_ci([a - statistics.fmean(raw[s]["GRPO"]["after"]) for a, s in zip(after, seeds)])
-            if "GRPO" in raw[seeds[0]] else None,
-            "acc_vs_grpo": [mean_ci([raw[s][name]["after"][j] - raw[s]["GRPO"]["after"][j] for s in seeds])
-                            for j in range(len(BUDGETS))] if "GRPO" in raw[seeds[0]] else None,
+            "acc": [mean_ci([acc[s][name][j] for s in seeds]) for j in range(len(BUDGETS))],
+            "vs_grpo": mean_ci([a - statistics.fmean(acc[s]["GRPO"]) for a, s in zip(after, seeds)])
+            if "GRPO" in variants else None,
+            "acc_vs_grpo": [mean_ci([acc[s][name][j] - acc[s]["GRPO"][j] for s in seeds])
+                            for j in range(len(BUDGETS))] if "GRPO" in variants else None,
         }
     return stats
 
 
-def table(stats: dict[str, dict], seeds: list[int], steps: int) -> str:
+def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: str) -> str:
     def fmt(m: tuple[float, float]) -> str:
         return f"{m[0]:.3f} ± {m[1]:.3f}"
 
     head = ["policy", "anytime score", "gain over warm start", "vs GRPO (paired)", *(f"acc@{b}" for b in BUDGETS)]
-    lines = [f"Seeds {', '.join(map(str, seeds))}; {steps} RL steps; mean ± 95% CI over seeds.", "",
+    lines = [f"## Scored {PROTOCOL_TITLES[protocol]}", "",
+             f"Seeds {', '.join(map(str, seeds))}; {steps} RL steps; mean ± 95% CI over seeds.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in stats.items():
         row = [name, fmt(s["anytime"]), fmt(s["gain"]) if "gain" in s else "—",
@@ -157,10 +207,10 @@ def table(stats: dict[str, dict], seeds: list[int], steps: int) -> str:
             secs = [x for x in s["seconds"] if x is not None]
             lines.append(f"| {name} | " + " | ".join(f"{g:+.3f}" for g in s["gain_per_seed"])
                          + f" | {min(s['gain_per_seed']):+.3f} | {statistics.fmean(secs) if secs else float('nan'):.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n"
 
 
-def plot(stats: dict[str, dict], path: Path) -> None:
+def plot(stats: dict[str, dict], path: Path, protocol: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +224,7 @@ def plot(stats: dict[str, dict], path: Path) -> None:
                       marker="o", capsize=3, label=name, color=colours[name],
                       linestyle="--" if name == "warm start" else "-")
     left.set_xlabel("thinking budget (tokens)")
-    left.set_ylabel("held-out accuracy (greedy)")
+    left.set_ylabel(f"held-out accuracy ({protocol})")
     left.set_ylim(0, 1)
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
@@ -184,38 +234,41 @@ def plot(stats: dict[str, dict], path: Path) -> None:
     right.set_ylabel("anytime score (mean over budgets)")
     right.tick_params(axis="x", rotation=25)
     right.grid(alpha=0.3, axis="y")
-    fig.suptitle("ablation ladder on the synthetic task (mean ± 95% CI over seeds)")
+    fig.suptitle(f"ablation ladder on the synthetic task, scored {PROTOCOL_TITLES[protocol]}\n"
+                 "(mean ± 95% CI over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def warm_start_table(raw: dict[int, dict[str, dict]], variants: list[str], recipe: Any) -> str:
-    """Each seed's warm start: its SFT loss, held-out scores and per-skill losses (which skill a failed one lacks)."""
+def warm_start_table(raw: dict[int, dict[str, dict]], recipe: Any) -> str:
+    """Each seed's warm start: its SFT loss, per-skill losses (which skill a failed one lacks) and held-out
+    scores under both protocols."""
     from warm_start_seeds import skill_losses  # a sibling script in eval/
 
-    lines = ["", "Warm starts (the quickstart's SFT stage, one per seed; loss curves in sft_loss.png). Skill losses: "
+    lines = ["## Warm starts", "", "The quickstart's SFT stage, one per seed; loss curves in sft_loss.png. Skill losses: "
              "cross-entropy in nats of the digit a trace line asks for, on held-out traces (log 10 = 2.303 is a "
              "uniform guess):", "",
-             "| seed | SFT loss (last 50 steps) | SFT s | copy | operand | sum | anytime | "
-             + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 7) + "|"]
+             "| seed | SFT loss (last 50 steps) | SFT s | copy | operand | sum | anytime, sampled | anytime, greedy | "
+             + " | ".join(f"acc@{b}, sampled" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 8) + "|"]
     for s in sorted(raw):
-        w, before = raw[s]["_warm_start"], raw[s][variants[0]]["before"]
+        w, sampled, greedy = raw[s]["_warm_start"], raw[s]["_eval"]["sampled"][WARM], raw[s]["_eval"]["greedy"][WARM]
         skills = skill_losses(recipe, w["path"])
         lines.append(f"| {s} | {statistics.fmean(w['sft_loss'][-50:]):.4f} | {w['sft_seconds']:.0f} | "
                      + " | ".join(f"{skills.get(k, float('nan')):.3f}" for k in ("copy", "operand", "sum"))
-                     + f" | {statistics.fmean(before):.3f} | " + " | ".join(f"{a:.3f}" for a in before) + " |")
+                     + f" | {statistics.fmean(sampled):.3f} | {statistics.fmean(greedy):.3f} | "
+                     + " | ".join(f"{a:.3f}" for a in sampled) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_warm_starts(raw: dict[int, dict[str, dict]], variants: list[str], path: Path, recipe: Any) -> None:
+def plot_warm_starts(raw: dict[int, dict[str, dict]], path: Path, recipe: Any) -> None:
     """Every seed's SFT loss curve (10-step means) against the task's loss floors, labelled with the
-    warm start's held-out anytime score: a failed warm start shows as a curve stuck on a floor."""
+    warm start's held-out anytime score (sampled): a failed warm start shows as a curve stuck on a floor."""
     from warm_start_seeds import loss_floors, plot_losses  # a sibling script in eval/
 
     seeds = sorted(raw)
-    runs = [{"seed": s, "anytime": statistics.fmean(raw[s][variants[0]]["before"]), "loss": raw[s]["_warm_start"]["sft_loss"]}
-            for s in seeds]
+    runs = [{"seed": s, "anytime": statistics.fmean(raw[s]["_eval"]["sampled"][WARM]),
+             "loss": raw[s]["_warm_start"]["sft_loss"]} for s in seeds]
     init = str(Path(raw[seeds[0]]["_warm_start"]["path"]).parent / "init")  # any seed's tokenizer: they are the same
     floors = loss_floors(recipe, init)
     plot_losses({"arms": {"quickstart warm start, every seed": {"seeds": runs}}, "loss_floors": floors}, path)
@@ -244,15 +297,17 @@ def main() -> int:
         parser.error("--extend-from needs learner.lr_schedule=constant and learner.warmup_steps=0: with a schedule "
                      "a longer run's learning rates differ from the shorter run's; run the sweep from scratch")
     raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides, args.extend_from) for seed in seeds}
-    stats = summarise(raw, variants)
+    stats = {protocol: summarise(raw, variants, protocol) for protocol in PROTOCOLS}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "budgets": BUDGETS,
-                                                  "ladder": LADDER, "overrides": args.overrides, "per_seed": raw, "summary": stats}, indent=1))
-    text = table(stats, seeds, args.steps) + warm_start_table(raw, variants, recipe)
+                                                  "ladder": LADDER, "protocols": PROTOCOLS, "overrides": args.overrides,
+                                                  "per_seed": raw, "summary": stats}, indent=1))
+    text = "".join(table(stats[p], seeds, args.steps, p) for p in PROTOCOLS) + warm_start_table(raw, recipe)
     (out / "table.md").write_text(text)
-    plot(stats, out / "ablation.png")
-    plot_warm_starts(raw, variants, out / "sft_loss.png", recipe)
+    for protocol in PROTOCOLS:
+        plot(stats[protocol], out / ("ablation.png" if protocol == "sampled" else f"ablation_{protocol}.png"), protocol)
+    plot_warm_starts(raw, out / "sft_loss.png", recipe)
     print(text)
     return 0
 

@@ -7,7 +7,8 @@ digit in ten. It is about the ceiling of the trace format the warm start learns:
 can do a little better than a blind guess (it may add the last line's operands itself), and a policy
 that invented a shorter format could pass it further; none here does. For each seed's held-out eval
 set (the trainer's own: 200 problems, the recipe's budgets) this prints its accuracy per budget and
-anytime score, and with `--ablation results.json` the warm start's and each variant's score against it.
+anytime score, and with `--ablation results.json` the warm start's and each variant's score against it
+under each of the ablation's eval protocols.
 
     python eval/headroom.py [--seeds 0,1,2,3,4] [--ablation eval/ablation/results.json]
 
@@ -78,15 +79,15 @@ def main() -> int:
         for b, a in acc.items():
             print(f"seed{seed}_ceiling_acc@{b}: {a:.3f}")
         print(f"seed{seed}_ceiling_anytime: {ceiling:.3f}")
-        runs = (ablation or {}).get("per_seed", {}).get(str(seed))
-        if runs:
-            warm = statistics.fmean(next(v for k, v in runs.items() if not k.startswith("_"))["before"])
-            print(f"seed{seed}_warm_start_anytime: {warm:.3f}")
-            print(f"seed{seed}_headroom: {ceiling - warm:.3f}")
-            for name, run in runs.items():
-                if not name.startswith("_"):
-                    after = statistics.fmean(run["after"])
-                    print(f"seed{seed}_{name.split()[0]}_anytime: {after:.3f} ({after / ceiling:.0%} of the ceiling)")
+        scored = (ablation or {}).get("per_seed", {}).get(str(seed), {}).get("_eval", {})
+        for protocol, accuracy in scored.items():   # {protocol: {policy: accuracy at every budget}}
+            warm = statistics.fmean(accuracy["warm start"])
+            print(f"seed{seed}_{protocol}_warm_start_anytime: {warm:.3f}")
+            print(f"seed{seed}_{protocol}_headroom: {ceiling - warm:.3f}")
+            for name, acc_after in accuracy.items():
+                if name != "warm start":
+                    after = statistics.fmean(acc_after)
+                    print(f"seed{seed}_{protocol}_{name.split()[0]}_anytime: {after:.3f} ({after / ceiling:.0%} of the ceiling)")
     return 0
 
 

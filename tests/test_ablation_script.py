@@ -40,3 +40,35 @@ def test_extend_from_refuses_a_run_that_is_not_shorter_or_not_finished(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a finished run"):
         ablation.continue_from(old, tmp_path / "new", steps=120)
     assert not (tmp_path / "new").exists()
+
+
+def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
+    """`score` runs one `anytime eval` per seed and protocol, reuses its cache while no model is newer,
+    and reads each model's accuracy from the eval's results.json."""
+    import json
+    import os
+
+    ablation = load_ablation()
+    models = {"warm start": tmp_path / "warm", "GRPO": tmp_path / "grpo" / "step_120"}
+    for path in models.values():
+        path.mkdir(parents=True)
+    calls = []
+
+    def fake_eval(cmd, check, env, stdout):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(exist_ok=True)
+        paths = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--model"]
+        (out / "results.json").write_text(json.dumps({"models": {
+            p: {"synthetic": {"accuracy": [0.1 * k, 0.2, 0.3, 0.4]}} for k, p in enumerate(paths)}}))
+        assert env["OMP_NUM_THREADS"] == "1" and "--temperature" in cmd and "0.6" in cmd
+
+    monkeypatch.setattr(ablation.subprocess, "run", fake_eval)
+    overrides = ["trainer.seed=3", "trainer.num_threads=1"]
+    first = ablation.score(models, tmp_path, "sampled", overrides)
+    assert first == {"warm start": [0.0, 0.2, 0.3, 0.4], "GRPO": [0.1, 0.2, 0.3, 0.4]}
+    assert "trainer:\n" in (tmp_path / "eval_recipe.yaml").read_text() and "seed: 3" in (tmp_path / "eval_recipe.yaml").read_text()
+    assert ablation.score(models, tmp_path, "sampled", overrides) == first and len(calls) == 1   # cached
+    later = (tmp_path / "eval_sampled.json").stat().st_mtime + 10
+    os.utime(models["GRPO"], (later, later))   # a retrained run: scored again
+    assert ablation.score(models, tmp_path, "sampled", overrides) == first and len(calls) == 2

@@ -34,3 +34,21 @@ def test_a_row_that_is_not_its_ids_problem_is_refused(tokenizer):
     bad = [rows[0].__class__(rows[0].id, rows[1].problem, rows[1].answer)]
     with pytest.raises(ValueError, match="not the synthetic problem"):
         format_ceiling(bad, tokenizer, [64], (3, 6))
+
+
+def test_an_ablation_is_set_against_the_ceiling_under_each_protocol(tmp_path, monkeypatch, capsys):
+    import json
+
+    import headroom
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"per_seed": {"0": {"_eval": {
+        "sampled": {"warm start": [0.0, 0.1, 0.3, 0.6], "GRPO": [0.1, 0.3, 0.7, 1.0]},
+        "greedy": {"warm start": [0.1, 0.3, 0.6, 1.0], "GRPO": [0.1, 0.3, 0.7, 1.0]}}}}}))
+    monkeypatch.setattr(sys, "argv", ["headroom.py", "--seeds", "0", "--ablation", str(results)])
+    assert headroom.main() == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    ceiling = float(lines["seed0_ceiling_anytime"])
+    assert float(lines["seed0_sampled_warm_start_anytime"]) == 0.25 and float(lines["seed0_greedy_warm_start_anytime"]) == 0.5
+    assert float(lines["seed0_sampled_headroom"]) == pytest.approx(ceiling - 0.25, abs=1e-3)
+    assert lines["seed0_greedy_GRPO_anytime"].startswith("0.525 (")

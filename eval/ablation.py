@@ -93,8 +93,9 @@ def continue_from(old: Path, run: Path, steps: int) -> float:
 
 def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str],
              extend_from: Path | None = None) -> dict[str, dict]:
-    """Warm start for one seed, then every variant from it; the held-out accuracies per budget and the
-    wall seconds of each run (RL plus its two evals; an extended run's include the shorter run's)."""
+    """Warm start for one seed, then every variant from it; the wall seconds of each run (RL plus its
+    two in-training evals; an extended run's include the shorter run's) and, under `_eval`, every
+    policy's held-out accuracy per budget under each protocol."""
     from anytime.learner.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]

@@ -9,8 +9,8 @@ settings and the same number of steps:
   - TRL's `GRPOTrainer` (generation with transformers on the CPU, `use_vllm=False`), rewarded by our
     verifier on its completions, with the same token room as ours: the largest budget + the inserted
     close and header + the summary tokens.
-Each final model is scored by our held-out evaluation (the quickstart's: greedy, budgets 16/32/48/64,
-200 synthetic problems). Seconds per step are means over the steps after the first (the first
+Each final model is scored by our held-out evaluation (the quickstart's: budgets 16/32/48/64, 200
+synthetic problems × 8 traces sampled at temperature 0.6, top-p 0.95). Seconds per step are means over the steps after the first (the first
 warms caches up), one thread each, the rollout included.
 
 Prints ``name: value`` lines: s_per_step_ours_grpo, s_per_step_ours_brpo, s_per_step_trl_grpo,

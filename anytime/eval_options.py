@@ -57,6 +57,10 @@ class EvalOptions:
     dtype: str = "bfloat16"
     engine: str = "vllm"
 
+    @property
+    def sampling_seed(self) -> int:
+        return self.seed if self.sample_seed is None else self.sample_seed
+
     def settings(self, seed: int) -> Any:
         """The rollout settings (`AnytimeSettings`) of this eval."""
         from anytime.rollout.anytime import AnytimeSettings

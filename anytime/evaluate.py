@@ -105,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
     from anytime.reward import RewardScorer
 
     opts = resolve_options(args)
-    sample_seed = opts.seed if opts.sample_seed is None else opts.sample_seed
     budgets = list(opts.budgets)
     out = Path(args.out)
     data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed)
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                              f"max length {limit}; lower --budgets")
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"budgets": budgets, "samples": opts.samples, "temperature": opts.temperature,
-                               "seed": opts.seed, "sample_seed": sample_seed,
+                               "seed": opts.seed, "sample_seed": opts.sampling_seed,
                                "settings": {**dataclasses.asdict(opts), "recipe": args.recipe},
                                "models": {}}
     total = len(args.model) * sum(len(r) for r in data.values())
@@ -133,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 max_len = min(max_len, limits[model]) if limits[model] else max_len
                 with model_folder(model, out) as folder:
                     results["models"][model] = _evaluate_model(model, folder, max_len, opts, data, scorer, args,
-                                                               sample_seed, bar.update, f)
+                                                               bar.update, f)
         os.replace(samples_tmp, out / SAMPLES_FILE)
     finally:
         samples_tmp.unlink(missing_ok=True)  # no half-written samples file left behind
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, data: Mapping[str, Sequence[PromptRow]],
-                    scorer: Any, args: argparse.Namespace, sample_seed: int, on_batch: Callable[[int], None],
+                    scorer: Any, args: argparse.Namespace, on_batch: Callable[[int], None],
                     samples: IO[str]) -> dict[str, Any]:
     """One model on every benchmark: results per benchmark; its records are appended to `samples`
     as they come (a paper-size eval holds ~10^5 of them)."""
@@ -153,6 +152,7 @@ def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, da
     from anytime.rollout.engine import create_engine
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    sample_seed = opts.sampling_seed
     per_bench = {}
     with create_engine(opts.engine, folder, max_model_len=max_len, max_prompt_len=opts.max_prompt_len,
                        dtype=opts.dtype, seed=sample_seed) as engine:

@@ -4,9 +4,10 @@ rewards) → + decoupled summaries → + variance reduction (BRPO = AR-linear) �
 For every seed one tiny model is built and warm-started (the quickstart's SFT stage, that seed), then
 every variant trains from it with the same prompts per step, traces per prompt and steps. The warm start
 and every variant's final checkpoint are then scored by `anytime eval` at the same budgets on the same
-held-out problems under two protocols: sampled as the paper validates (temperature 0.6, top-p 0.95,
-8 traces per problem: the quickstart's own eval) and greedy (one trace per problem), which hides the
-filler lines the task rewards dropping (eval/heldout/README.md). Reported over seeds, per protocol: the
+held-out problems under two protocols: the recipe's own eval, which for the quickstart samples as the
+paper validates (temperature 0.6, top-p 0.95, 8 traces per problem), and greedy (one trace per
+problem), which hides the filler lines the task rewards dropping (eval/heldout/README.md). Reported
+over seeds, per protocol: the
 mean ± 95% CI (Student t) of the anytime score (mean accuracy over the budgets), of its gain over the
 warm start and of the accuracy at every budget, and each variant's paired difference from GRPO. The
 "+vr (AR-linear)" variant is the quickstart recipe itself, so its gains are the quickstart's over seeds.
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +64,26 @@ LADDER = {
 }
 
 
-# `anytime eval` flags of each protocol; the rest (summaries, problems, sampling seed) is the recipe's.
-PROTOCOLS = {
-    "sampled": ["--temperature", "0.6", "--top-p", "0.95", "--samples", "8"],   # the paper's validation
-    "greedy": ["--temperature", "0", "--samples", "1"],
-}
-PROTOCOL_TITLES = {"sampled": "sampled as the paper validates (temperature 0.6, top-p 0.95, 8 traces per problem)",
-                   "greedy": "greedy (one trace per problem)"}
 WARM = "warm start"
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How policies are scored: `anytime eval` flags over the sweep's recipe (which gives the summaries,
+    the problems and the sampling seed)."""
+
+    name: str
+    title: str
+    flags: tuple[str, ...]
+
+
+def protocols(recipe: Any) -> list[Protocol]:
+    """The recipe's own eval (the quickstart's samples as the paper validates) and greedy decoding."""
+    ev = recipe.eval
+    return [Protocol("sampled", f"sampled as the paper validates (temperature {ev.temperature}, top-p {ev.top_p}, "
+                                f"{ev.samples} traces per problem)",
+                     ("--temperature", str(ev.temperature), "--top-p", str(ev.top_p), "--samples", str(ev.samples))),
+            Protocol("greedy", "greedy (one trace per problem)", ("--temperature", "0", "--samples", "1"))]
 
 
 def run_name(variant: str) -> str:
@@ -91,7 +105,7 @@ def continue_from(old: Path, run: Path, steps: int) -> float:
     return float((old / "ablation_seconds.txt").read_text())
 
 
-def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str],
+def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str], scoring: list[Protocol],
              extend_from: Path | None = None) -> dict[str, dict]:
     """Warm start for one seed, then every variant from it; the wall seconds of each run (RL plus its
     two in-training evals; an extended run's include the shorter run's) and, under `_eval`, every
@@ -123,7 +137,7 @@ def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: 
             timing.write_text(f"{earlier + time.perf_counter() - start:.1f}\n")
         out[name] = {"seconds": float(timing.read_text()) if timing.is_file() else None}
     models = {WARM: Path(sft), **{name: final_checkpoint(work / f"seed{seed}" / run_name(name)) for name in variants}}
-    out["_eval"] = {protocol: score(models, work / f"seed{seed}", protocol, base) for protocol in PROTOCOLS}
+    out["_eval"] = {protocol.name: score(models, work / f"seed{seed}", protocol, base) for protocol in scoring}
     return out
 
 
@@ -136,27 +150,27 @@ def final_checkpoint(run: Path) -> Path:
     return saved[-1]
 
 
-def score(models: dict[str, Path], folder: Path, protocol: str, overrides: list[str]) -> dict[str, list[float]]:
+def score(models: dict[str, Path], folder: Path, protocol: Protocol, overrides: list[str]) -> dict[str, list[float]]:
     """Accuracy at every budget of each model, by one `anytime eval` under `protocol` with the sweep's
     recipe; cached in `folder/eval_<protocol>.json` while no model is newer than the cache."""
-    cache = folder / f"eval_{protocol}.json"
+    cache = folder / f"eval_{protocol.name}.json"
     paths = {name: str(path) for name, path in models.items()}
     if cache.is_file() and max(p.stat().st_mtime for p in models.values()) < cache.stat().st_mtime:
         cached = json.loads(cache.read_text())
-        if cached["models"] == paths and cached["flags"] == PROTOCOLS[protocol]:
+        if cached["models"] == paths and cached["flags"] == list(protocol.flags):
             return cached["accuracy"]
     recipe = load_recipe(RECIPE, overrides)   # trainer.seed among them: the seed's held-out problems
-    recipe_file, out = folder / "eval_recipe.yaml", folder / f"eval_{protocol}"
+    recipe_file, out = folder / "eval_recipe.yaml", folder / f"eval_{protocol.name}"
     recipe_file.write_text(recipe.to_yaml())
     cmd = [sys.executable, "-m", "anytime.cli", "eval", "--recipe", str(recipe_file),
-           "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out), *PROTOCOLS[protocol],
+           "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out), *protocol.flags,
            *(arg for path in paths.values() for arg in ("--model", path))]
     # the thread count of the training runs, so that two sweeps side by side do not oversubscribe the cores
     env = {**os.environ, "OMP_NUM_THREADS": str(recipe.trainer.num_threads)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     results = json.loads((out / "results.json").read_text())["models"]
     accuracy = {name: results[path]["synthetic"]["accuracy"] for name, path in paths.items()}
-    cache.write_text(json.dumps({"models": paths, "flags": PROTOCOLS[protocol], "accuracy": accuracy}, indent=1))
+    cache.write_text(json.dumps({"models": paths, "flags": list(protocol.flags), "accuracy": accuracy}, indent=1))
     return accuracy
 
 
@@ -182,12 +196,12 @@ def summarise(raw: dict[int, dict[str, dict]], variants: list[str], protocol: st
     return stats
 
 
-def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: str) -> str:
+def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: Protocol) -> str:
     def fmt(m: tuple[float, float]) -> str:
         return f"{m[0]:.3f} ± {m[1]:.3f}"
 
     head = ["policy", "anytime score", "gain over warm start", "vs GRPO (paired)", *(f"acc@{b}" for b in BUDGETS)]
-    lines = [f"## Scored {PROTOCOL_TITLES[protocol]}", "",
+    lines = [f"## Scored {protocol.title}", "",
              f"Seeds {', '.join(map(str, seeds))}; {steps} RL steps; mean ± 95% CI over seeds.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in stats.items():
@@ -211,7 +225,7 @@ def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: str) -
     return "\n".join(lines) + "\n\n"
 
 
-def plot(stats: dict[str, dict], path: Path, protocol: str) -> None:
+def plot(stats: dict[str, dict], path: Path, protocol: Protocol) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +239,7 @@ def plot(stats: dict[str, dict], path: Path, protocol: str) -> None:
                       marker="o", capsize=3, label=name, color=colours[name],
                       linestyle="--" if name == "warm start" else "-")
     left.set_xlabel("thinking budget (tokens)")
-    left.set_ylabel(f"held-out accuracy ({protocol})")
+    left.set_ylabel(f"held-out accuracy ({protocol.name})")
     left.set_ylim(0, 1)
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
@@ -235,7 +249,7 @@ def plot(stats: dict[str, dict], path: Path, protocol: str) -> None:
     right.set_ylabel("anytime score (mean over budgets)")
     right.tick_params(axis="x", rotation=25)
     right.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"ablation ladder on the synthetic task, scored {PROTOCOL_TITLES[protocol]}\n"
+    fig.suptitle(f"ablation ladder on the synthetic task, scored {protocol.title}\n"
                  "(mean ± 95% CI over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -294,20 +308,24 @@ def main() -> int:
     unknown = [v for v in variants if v not in LADDER]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(LADDER)}")
+    if recipe.eval.temperature <= 0:
+        parser.error("the sampled protocol is the recipe's eval: give eval.temperature > 0 (greedy is scored too)")
     if args.extend_from is not None and (recipe.learner.lr_schedule != "constant" or recipe.learner.warmup_steps):
         parser.error("--extend-from needs learner.lr_schedule=constant and learner.warmup_steps=0: with a schedule "
                      "a longer run's learning rates differ from the shorter run's; run the sweep from scratch")
-    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides, args.extend_from) for seed in seeds}
-    stats = {protocol: summarise(raw, variants, protocol) for protocol in PROTOCOLS}
+    scoring = protocols(recipe)
+    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides, scoring, args.extend_from)
+           for seed in seeds}
+    stats = {p.name: summarise(raw, variants, p.name) for p in scoring}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "budgets": BUDGETS,
-                                                  "ladder": LADDER, "protocols": PROTOCOLS, "overrides": args.overrides,
+                                                  "ladder": LADDER, "protocols": {p.name: p.flags for p in scoring}, "overrides": args.overrides,
                                                   "per_seed": raw, "summary": stats}, indent=1))
-    text = "".join(table(stats[p], seeds, args.steps, p) for p in PROTOCOLS) + warm_start_table(raw, recipe)
+    text = "".join(table(stats[p.name], seeds, args.steps, p) for p in scoring) + warm_start_table(raw, recipe)
     (out / "table.md").write_text(text)
-    for protocol in PROTOCOLS:
-        plot(stats[protocol], out / ("ablation.png" if protocol == "sampled" else f"ablation_{protocol}.png"), protocol)
+    for p in scoring:
+        plot(stats[p.name], out / ("ablation.png" if p.name == "sampled" else f"ablation_{p.name}.png"), p)
     plot_warm_starts(raw, out / "sft_loss.png", recipe)
     print(text)
     return 0

@@ -1,9 +1,13 @@
-"""eval/ablation.py's --extend-from: a longer sweep resumes only from finished, shorter runs."""
+"""eval/ablation.py: --extend-from resumes a longer sweep only from finished, shorter runs; scores are
+cached per seed and protocol."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+
+from anytime.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -11,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def load_ablation():
     spec = importlib.util.spec_from_file_location("ablation_script", REPO / "eval" / "ablation.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -65,10 +70,12 @@ def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ablation.subprocess, "run", fake_eval)
     overrides = ["trainer.seed=3", "trainer.num_threads=1"]
-    first = ablation.score(models, tmp_path, "sampled", overrides)
+    sampled = ablation.protocols(load_recipe(ablation.RECIPE, overrides))[0]
+    assert sampled.name == "sampled" and sampled.flags == ("--temperature", "0.6", "--top-p", "0.95", "--samples", "8")
+    first = ablation.score(models, tmp_path, sampled, overrides)
     assert first == {"warm start": [0.0, 0.2, 0.3, 0.4], "GRPO": [0.1, 0.2, 0.3, 0.4]}
     assert "trainer:\n" in (tmp_path / "eval_recipe.yaml").read_text() and "seed: 3" in (tmp_path / "eval_recipe.yaml").read_text()
-    assert ablation.score(models, tmp_path, "sampled", overrides) == first and len(calls) == 1   # cached
+    assert ablation.score(models, tmp_path, sampled, overrides) == first and len(calls) == 1   # cached
     later = (tmp_path / "eval_sampled.json").stat().st_mtime + 10
     os.utime(models["GRPO"], (later, later))   # a retrained run: scored again
-    assert ablation.score(models, tmp_path, "sampled", overrides) == first and len(calls) == 2
+    assert ablation.score(models, tmp_path, sampled, overrides) == first and len(calls) == 2

@@ -30,20 +30,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from anytime.learner.launch import Nodes, launch_train
+    from anytime.trainer.launch import Nodes, launch_train
 
     return launch_train(args.recipe, args.overrides, Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint))
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from anytime.learner.launch import launch_sft
+    from anytime.trainer.launch import launch_sft
 
     return launch_sft(args.recipe, args.overrides)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from anytime import synthetic
-    from anytime.tiny import build_tiny_model
+    from anytime.tasks import synthetic
+    from anytime.tasks.tiny import build_tiny_model
 
     path = build_tiny_model(args.out, synthetic.corpus(), arch=args.arch, hidden_size=args.hidden_size,
                             num_layers=args.layers, seed=args.seed)
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         schedule_command.add_arguments(p)
         p.set_defaults(func=_cmd_schedule)
 
-    for name, module in (("eval", "anytime.evaluate"), ("export", "anytime.export")):
+    for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.learner.export")):
         try:
             mod = __import__(module, fromlist=["add_arguments"])
         except ImportError:

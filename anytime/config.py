@@ -8,27 +8,36 @@ prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from anytime import defaults
-from anytime.budget import even_grid, prior_probs, validate_grid
+from anytime.algo import (
+    BUDGET_PRIORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    SUMMARY_ESTIMATORS,
+    THINKING_ESTIMATORS,
+    VARIANCE_REDUCTIONS,
+)
+from anytime.algo.budget import even_grid, prior_probs, validate_grid
+from anytime.core.schema import build
+from anytime.errors import RecipeError
+from anytime.learner import LEARNERS, LR_SCHEDULES
+from anytime.pipeline import SCHEDULES
+from anytime.registry import Choice
+from anytime.rollout import ENGINES, PLACEMENTS
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot run; the message names the key and the fix."""
+__all__ = ["Recipe", "RecipeError", "load_recipe"]
 
 
 @dataclass
 class ModelConfig:
     path: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"   # hub name or local folder
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "bfloat16"
+    dtype: Annotated[str, Choice(defaults.DTYPES)] = "bfloat16"
     trust_remote_code: bool = False
     # Build a random tiny model at `path` first when the folder does not exist (CPU quickstart).
     tiny: bool = False
@@ -58,7 +67,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "vllm"
+    engine: Annotated[str, Choice(ENGINES)] = "vllm"
     n: int = 8                          # G thinking traces per prompt
     prompts_per_step: int = 64
     temperature: float = 1.0
@@ -68,7 +77,7 @@ class RolloutConfig:
     enable_sleep: bool = False           # engine sleeps during the learner update, wakes for the weight sync (GPU)
     # Where rollouts run: inprocess (one worker on learner rank 0), colocated (a worker on every learner
     # rank), ray (`workers` Ray actors); auto = inprocess with one learner process, else colocated.
-    placement: Literal["auto", "inprocess", "colocated", "ray"] = "auto"
+    placement: Annotated[str, Choice(PLACEMENTS, "auto")] = "auto"
     workers: int = 1                     # Ray actors (placement: ray)
     ray_cpus_per_worker: float = 1.0
     ray_gpus_per_worker: float | None = None   # null: 1 when CUDA is available, else 0
@@ -82,7 +91,7 @@ class BudgetConfig:
     max_thinking: int = 8000
     num_budgets: int = 4                # evenly spaced up to max_thinking, unless `budgets` is given
     budgets: list[int] | None = None
-    prior: Literal["base", "uniform", "linear", "explicit"] = "linear"
+    prior: Annotated[str, Choice(BUDGET_PRIORS)] = "linear"
     probs: list[float] | None = None    # for prior: explicit
 
     def grid(self) -> list[int]:
@@ -100,32 +109,32 @@ class SummaryConfig:
     header: str = defaults.HEADER
     think_end: str = defaults.THINK_END
     temperature: float = 1.0
-    estimator: Literal["brpo", "grpo"] = "brpo"
+    estimator: Annotated[str, Choice(SUMMARY_ESTIMATORS)] = "brpo"
     loss_weight: float = 1.0
 
 
 @dataclass
 class AlgorithmConfig:
-    estimator: Literal["brpo", "grpo", "dr_grpo", "rloo"] = "brpo"
-    variance_reduction: Literal["brpo", "v1only", "v2only", "none"] = "brpo"
+    estimator: Annotated[str, Choice(THINKING_ESTIMATORS)] = "brpo"
+    variance_reduction: Annotated[str, Choice(VARIANCE_REDUCTIONS)] = "brpo"
     decay: float = 0.5                  # λ of V1
     thinking_loss_weight: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "constant"] = "constant"
+    loss_agg: Annotated[str, Choice(LOSS_AGGREGATIONS)] = "constant"
     # Width of the `constant` normaliser (loss = Σ token terms / (traces × width)). The official
     # code uses its max_response_length, fixed per recipe: 10176 = 8000 + 16 × 136 for the 8k runs.
     # null derives it from each batch: largest budget + S·A·(inserted + summary tokens).
     loss_norm_length: int | None = None
     kl_coef: float = 0.0
-    kl_type: Literal["k1", "k3"] = "k3"
+    kl_type: Annotated[str, Choice(KL_ESTIMATORS)] = "k3"
     entropy_coef: float = 0.0
 
 
 @dataclass
 class PipelineConfig:
     stages: int = 1                     # pipeline ranks = learner processes; 1 = no pipeline
-    schedule: str = "zb-h1"             # one of anytime.pipeline.schedule.SCHEDULE_NAMES
+    schedule: Annotated[str, Choice(SCHEDULES)] = "zb-h1"
     microbatches: int = 8               # per PPO mini-batch (its rows are padded to a multiple)
     chunks: int | None = None           # model chunks per rank (V / interleaved); None = the schedule's default
     offload_chunks: list[int] = field(default_factory=list)   # chunks whose activations go to host memory
@@ -139,12 +148,12 @@ class PipelineConfig:
 
 @dataclass
 class LearnerConfig:
-    backend: Literal["torch", "deepspeed"] = "torch"
+    backend: Annotated[str, Choice(LEARNERS)] = "torch"
     num_processes: int = 1              # learner processes; with a pipeline: stages × data-parallel replicas
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = "constant"
     warmup_steps: int = 0
     grad_clip: float = 1.0
     ppo_epochs: int = 1
@@ -170,7 +179,7 @@ class SFTConfig:
     lr: float = 3e-3
     batch_size: int = 32
     warmup_steps: int = 20
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"   # after the warmup
+    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = "cosine"   # after the warmup
 
 
 @dataclass
@@ -228,84 +237,6 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
 
-# --- building from plain data -----------------------------------------------------------------
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise RecipeError(f"recipe key `{path}` must be a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path)
-            except RecipeError:
-                continue
-        raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise RecipeError(f"recipe key `{path}` must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `5e-4` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise RecipeError(f"recipe key `{path}` must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean `{(prefix + '.' if prefix else '') + close[0]}`?" if close else ""
-            raise RecipeError(f"unknown recipe key `{path}`{hint} (allowed here: {', '.join(names)})")
-        kwargs[key] = _convert(value, hints[key], path)
-    return cls(**kwargs)
-
-
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
@@ -356,12 +287,11 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict[str, Any] = {} if path is None else _load_yaml(Path(path).resolve())
     for text in overrides:
         data = _merge(data, parse_override(text))
-    recipe = recipe_from_dict(data)
-    return recipe
+    return recipe_from_dict(data)
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
-    recipe = _build(Recipe, data)
+    recipe = build(Recipe, data)
     validate(recipe)
     return recipe
 
@@ -418,6 +348,7 @@ def validate(r: Recipe) -> None:
     _require(r.eval.max_sample_records >= 0,
              f"`eval.max_sample_records` must be >= 0 (0 writes no eval samples), got {r.eval.max_sample_records}")
     _require(r.rollout.temperature > 0, f"`rollout.temperature` must be > 0, got {r.rollout.temperature}")
+    _require(r.eval.temperature >= 0, f"`eval.temperature` must be >= 0 (0 = greedy), got {r.eval.temperature}")
     _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
     _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")
     _require(r.learner.grad_clip >= 0, f"`learner.grad_clip` must be >= 0 (0 disables clipping), got {r.learner.grad_clip}")
@@ -451,7 +382,7 @@ def validate(r: Recipe) -> None:
 def _validate_pipeline(r: Recipe) -> None:
     """`learner.pipeline.stages > 1`: a pipelined learner on P stages × D data-parallel replicas
     (`learner.num_processes` = P·D; 1 means one replica), torch or DeepSpeed ZeRO-1/2 per stage."""
-    from anytime.pipeline.schedule import SCHEDULE_NAMES, build_schedule
+    from anytime.pipeline.schedule import build_schedule
 
     p, lc = r.learner.pipeline, r.learner
     if p.stages == 1:
@@ -463,8 +394,6 @@ def _validate_pipeline(r: Recipe) -> None:
     _require(lc.backend == "torch" or lc.zero_stage in (1, 2),
              f"`learner.zero_stage` is {lc.zero_stage}, but DeepSpeed on the pipeline (`learner.pipeline.stages` > 1) "
              "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2 (or learner.pipeline.stages=1 for ZeRO-3)")
-    _require(p.schedule in SCHEDULE_NAMES,
-             f"`learner.pipeline.schedule` must be one of {', '.join(SCHEDULE_NAMES)}, got {p.schedule!r}")
     _require(p.microbatches >= p.stages,
              f"`learner.pipeline.microbatches` ({p.microbatches}) must be >= stages ({p.stages})")
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from anytime.registry import Registry
+
 if TYPE_CHECKING:
     import torch
 
@@ -19,13 +21,10 @@ HEADER = "\n\n**Final Answer**\n"
 SUMMARY_MAX_TOKENS = 118
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = Registry("model.dtype", {name: f"torch:{name}" for name in ("float32", "bfloat16", "float16", "float64")},
+                  doc="the model's weights and compute dtype")
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a recipe dtype name; an error naming the allowed ones otherwise."""
-    import torch
-
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_NAMES)}")
-    return getattr(torch, name)
+    return DTYPES.get(name)

@@ -74,8 +74,8 @@ VOCAB = 512
 
 def synthetic_rollout(s: Setting, prompts: int, traces: int, seed: int = 0):
     """An `AnytimeRollout` with random tokens and the real plan (cuts, forced closes, prefix groups)."""
-    from anytime.reward import REASONS
-    from anytime.rollout.anytime import AnytimeRollout, padded
+    from anytime.batch.anytime_rollout import AnytimeRollout, padded
+    from anytime.reward.verifier import REASONS
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -117,7 +117,7 @@ def synthetic_rollout(s: Setting, prompts: int, traces: int, seed: int = 0):
 
 def train_batch(s: Setting, prompts: int, traces: int, pack: bool):
     from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
-    from anytime.learner.packing import build_train_batch
+    from anytime.batch.packing import build_train_batch
 
     rollout = synthetic_rollout(s, prompts, traces)
     probs = [1.0 / len(s.budgets)] * len(s.budgets)

@@ -63,7 +63,7 @@ def run_ours(name: str, sft_path: str, args: argparse.Namespace) -> dict[str, fl
 
 def step_prompts(recipe: Any, steps: int) -> list[Any]:
     """The rows our trainer rolls out, in its order."""
-    from anytime.learner.trainer import load_train_rows, step_row_indices
+    from anytime.trainer.trainer import load_train_rows, step_row_indices
 
     rows, n = load_train_rows(recipe), recipe.rollout.prompts_per_step
     return [rows[i] for step in range(steps) for i in step_row_indices(step, n, len(rows))]
@@ -77,9 +77,9 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from anytime.config import load_recipe
-    from anytime.data import render_prompt, user_message
-    from anytime.reward import RewardScorer
-    from anytime.rollout.worker import engine_max_len
+    from anytime.data.prompts import render_prompt, user_message
+    from anytime.reward.verifier import RewardScorer
+    from anytime.rollout.settings import engine_max_len
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE, [f"trainer.seed={args.seed}"])
@@ -143,6 +143,7 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
     from transformers import AutoTokenizer
 
     from anytime.config import load_recipe
+    from anytime.evaluation.in_training import evaluate_on_worker
     from anytime.rollout.worker import RolloutWorker
 
     recipe = load_recipe(RECIPE, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false",
@@ -150,7 +151,7 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
     tok = AutoTokenizer.from_pretrained(model_path)
     worker = RolloutWorker(recipe, model_path, tok, tok.pad_token_id)
     try:
-        return worker.evaluate()[0]["eval/anytime"]
+        return worker.apply(evaluate_on_worker)[0]["eval/anytime"]
     finally:
         worker.close()
 
@@ -176,7 +177,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from anytime.config import load_recipe
-    from anytime.learner.launch import prepare_model
+    from anytime.trainer.launch import prepare_model
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -317,8 +317,8 @@ def _ds_worker(rank: int, world: int, init_file: str, args, queue) -> None:
     mpu makes the clip norm global too). Paired rounds, median ratio."""
     from anytime.config import LearnerConfig
     from anytime.learner.deepspeed_learner import initialize_engine
+    from anytime.learner.deepspeed_stage import MeshMPU
     from anytime.learner.mesh import build_mesh
-    from anytime.pipeline.deepspeed_stage import MeshMPU
     from anytime.pipeline.postvalidate import PostValidator
     from anytime.pipeline.runtime import PipelineExecutor
     from anytime.pipeline.schedule import build_schedule

@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
 import psutil  # noqa: E402
 
-from anytime.answer import normalize_gold  # noqa: E402
-from anytime.reward import RewardScorer, read_answer  # noqa: E402
+from anytime.reward.answer import normalize_gold  # noqa: E402
+from anytime.reward.verifier import RewardScorer, read_answer  # noqa: E402
 
 SAMPLE = REPO_ROOT / "benchmarks" / "data" / "quickstart_summaries.json"
 SAMPLE_BATCHES = 4  # rollout batches of the quickstart (8 prompts x 8 traces x 4 budgets x 2 summaries)
@@ -112,7 +112,7 @@ class PoolContender:
 
 def _ceiling_process(payloads: list[tuple[str, tuple[str, ...]]], start: Any, stop: Any, out: Any) -> None:
     """The worker's verification loop in a plain process: no pool, no IPC, no time limit."""
-    from anytime.reward import _worker_verifier
+    from anytime.reward.verifier import _worker_verifier
 
     verify = _worker_verifier()
     for payload in payloads:  # warm-up, as the pools get: imports, golds parsed and cached
@@ -240,11 +240,12 @@ def regenerate_sample(path: Path) -> None:
     from transformers import AutoTokenizer
 
     from anytime.config import load_recipe
-    from anytime.data import encode_prompts
-    from anytime.learner.launch import prepare_model
-    from anytime.learner.trainer import load_train_rows
-    from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings
+    from anytime.data.prompts import encode_prompts
     from anytime.rollout.engine import create_engine
+    from anytime.rollout.runner import AnytimeRolloutRunner
+    from anytime.rollout.settings import AnytimeSettings
+    from anytime.trainer.launch import prepare_model
+    from anytime.trainer.trainer import load_train_rows
 
     with tempfile.TemporaryDirectory() as tmp:
         r = load_recipe(REPO_ROOT / "recipes" / "quickstart.yaml",

@@ -24,7 +24,7 @@ BENCHMARKS = ("aime", "amc", "math", "minerva", "olympiad_bench")
 
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
-from anytime.reward import RewardScorer, Verdict, normalize_gold  # noqa: E402
+from anytime.reward.verifier import RewardScorer, Verdict, normalize_gold  # noqa: E402
 
 
 def math_data_dir() -> Path:

@@ -41,7 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout to `name: value` lines
 
 from anytime.rollout.engine import Branch, SamplingConfig, create_engine  # noqa: E402
-from anytime.tiny import build_tiny_model  # noqa: E402
+from anytime.tasks.tiny import build_tiny_model  # noqa: E402
 
 
 def _corpus() -> list[str]:
@@ -163,9 +163,10 @@ def _run_natural(model_dir: str, args) -> dict[str, float]:
 
     from transformers import AutoTokenizer
 
-    from anytime.data import render_prompt
-    from anytime.reward import RewardScorer
-    from anytime.rollout.anytime import AnytimeRolloutRunner, AnytimeSettings, token_id_of
+    from anytime.data.prompts import render_prompt
+    from anytime.reward.verifier import RewardScorer
+    from anytime.rollout.runner import AnytimeRolloutRunner, token_id_of
+    from anytime.rollout.settings import AnytimeSettings
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     budgets = tuple(int(b) for b in args.budgets.split(","))

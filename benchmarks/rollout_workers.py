@@ -44,7 +44,7 @@ def _recipe(args: argparse.Namespace, model: str, placement: str, workers: int):
 def _prompts(model: str, n: int) -> tuple[list[list[int]], list[str]]:
     from transformers import AutoTokenizer
 
-    from anytime.data import render_prompt
+    from anytime.data.prompts import render_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     return ([render_prompt(tok, f"Start with {k % 10}. Step 1: add {k % 7 + 1}. What is the last digit?")
@@ -61,9 +61,7 @@ class _DataParallel:
 def _colocated_rank(rank: int, world: int, init: str, args: argparse.Namespace, model: str, out: str) -> None:
     from transformers import AutoTokenizer
 
-    from anytime.rollout.placement import create_rollouts
-
-    from anytime.rollout.placement import pin_cpus
+    from anytime.rollout.placement import create_rollouts, pin_cpus
 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if world == 1:
@@ -128,8 +126,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from anytime import synthetic
-    from anytime.tiny import build_tiny_model
+    from anytime.tasks import synthetic
+    from anytime.tasks.tiny import build_tiny_model
 
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     if "ray" in placements and importlib.util.find_spec("ray") is None:

@@ -14,7 +14,8 @@ import argparse
 import itertools
 import time
 
-from anytime.pipeline.schedule import SCHEDULE_NAMES, StageCosts, build_schedule
+from anytime.pipeline import SCHEDULES
+from anytime.pipeline.schedule import StageCosts, build_schedule
 from anytime.pipeline.simulate import simulate
 
 
@@ -54,7 +55,7 @@ def grid(ps: tuple[int, ...]) -> None:
 
 
 def compare(p: int = 4, m: int = 12) -> None:
-    for name in SCHEDULE_NAMES:
+    for name in SCHEDULES.names():
         res = simulate(build_schedule(name, p, m))
         tag = f"compare.p{p}.m{m}.{name}"
         print(f"{tag}.makespan: {res.makespan:g}")

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from anytime.config import load_recipe
-from anytime.stats import mean_ci
+from anytime.core.stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "quickstart.yaml")
@@ -110,7 +110,7 @@ def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: 
     """Warm start for one seed, then every variant from it; the wall seconds of each run (RL plus its
     two in-training evals; an extended run's include the shorter run's) and, under `_eval`, every
     policy's held-out accuracy per budget under each protocol."""
-    from anytime.learner.launch import launch_train, prepare_model
+    from anytime.trainer.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
     shared = work / f"seed{seed}" / "warm_start"

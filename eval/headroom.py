@@ -32,9 +32,9 @@ GUESS = 0.1  # one digit in ten
 
 def format_ceiling(rows: list[Any], tokenizer: Any, budgets: list[int], ops: tuple[int, int]) -> dict[int, float]:
     """Accuracy per budget of the no-filler reference policy on `rows` (synthetic PromptRows)."""
-    from anytime.synthetic import make_problems
+    from anytime.tasks.synthetic import make_problems
 
-    # ids are `synthetic-<draw seed>-<index>` (anytime.data.synthetic_rows): redraw the same problems
+    # ids are `synthetic-<draw seed>-<index>` (anytime.data.prompts.synthetic_rows): redraw the same problems
     keys = [(int(seed), int(i)) for seed, i in (row.id.split("-")[1:] for row in rows)]
     draws = {seed: make_problems(max(i for s, i in keys if s == seed) + 1, seed, *ops) for seed, _ in keys}
     lengths = []
@@ -51,8 +51,8 @@ def quickstart_tokenizer() -> Any:
     """The quickstart's tokenizer (trained on the fixed synthetic corpus: the same for every seed)."""
     from transformers import AutoTokenizer
 
-    from anytime import synthetic
-    from anytime.tiny import build_tiny_model
+    from anytime.tasks import synthetic
+    from anytime.tasks.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:  # the builder writes a (here tiny) model beside it
         return AutoTokenizer.from_pretrained(build_tiny_model(tmp, synthetic.corpus(), hidden_size=16,
@@ -64,8 +64,8 @@ def main() -> int:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--ablation", type=Path, default=None, help="an eval/ablation.py results.json to set against it")
     args = parser.parse_args()
-    from anytime.benchmarks import load_benchmark
     from anytime.config import load_recipe
+    from anytime.data.benchmarks import load_benchmark
 
     recipe = load_recipe(RECIPE)
     budgets = list(recipe.eval.budgets or recipe.budget.grid())

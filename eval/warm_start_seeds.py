@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from anytime.stats import mean_ci
+from anytime.core.stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "quickstart.yaml")
@@ -36,8 +36,8 @@ def loss_floors(recipe: Any, model_path: str, size: int = 2000) -> dict[str, flo
     numbers and the operand lookup, but not the additions."""
     from transformers import AutoTokenizer
 
-    from anytime.learner.sft import synthetic_sft_pairs
-    from anytime.synthetic import FILLER_LINES, make_problems
+    from anytime.tasks.synthetic import FILLER_LINES, make_problems
+    from anytime.trainer.sft import synthetic_sft_pairs
 
     d = recipe.data
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -62,7 +62,7 @@ def skill_losses(recipe: Any, model_path: str, size: int = 300) -> dict[str, flo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anytime.learner.sft import synthetic_sft_pairs
+    from anytime.trainer.sft import synthetic_sft_pairs
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -101,8 +101,8 @@ def seed_recipe(seed: int, work: Path, overrides: list[str]) -> Any:
 
 def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
     """Warm-start one seed (skipped when its folder already holds a finished model) and evaluate it."""
-    from anytime.learner.launch import prepare_model
-    from anytime.learner.trainer import Trainer
+    from anytime.trainer.launch import prepare_model
+    from anytime.trainer.trainer import Trainer
 
     recipe = seed_recipe(seed, work, overrides)
     path = prepare_model(recipe)

@@ -31,7 +31,7 @@ def math_data_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny Qwen2 (head_dim 64) with a tokenizer trained on the synthetic task's text."""
-    from anytime import synthetic
-    from anytime.tiny import build_tiny_model
+    from anytime.tasks import synthetic
+    from anytime.tasks.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), synthetic.corpus(400), seed=0))

@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "eval"))
 
 from headroom import GUESS, format_ceiling, quickstart_tokenizer  # noqa: E402
 
-from anytime.benchmarks import load_benchmark  # noqa: E402
+from anytime.data.benchmarks import load_benchmark  # noqa: E402
 
 
 @pytest.fixture(scope="module")

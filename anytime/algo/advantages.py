@@ -1,5 +1,6 @@
 """Advantage estimators: BRPO (paper eq. 6-9) for thinking tokens, the per-prefix summary
-baseline (§2.3), and the usual trace-level baselines (GRPO, Dr.GRPO, RLOO), in one registry.
+baseline (§2.3), and the usual trace-level baselines (GRPO, Dr.GRPO, RLOO); registered by name in
+`anytime.algo` (`THINKING_ESTIMATORS`, `SUMMARY_ESTIMATORS`, `VARIANCE_REDUCTIONS`).
 
 Shapes: G traces per prompt, S budgets, A summaries per budget. Thinking estimators map
 `scores [B, G, S]` (mean summary score of trace g at budget j) and the prior `probs [S]` to the
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-BRPO_VARIANTS = ("brpo", "v1only", "v2only", "none")
+from anytime.algo import SUMMARY_ESTIMATORS, THINKING_ESTIMATORS, VARIANCE_REDUCTIONS
 
 
 def _as_tensor(x: torch.Tensor | Sequence, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,8 +36,7 @@ def brpo_advantages(scores: torch.Tensor, probs: torch.Tensor | Sequence[float],
     remaining prior mass; V2 is the group mean return (self included); the baseline moves from V2
     to V1 as the segment index grows: V = (s·V1 + (S−s)·V2) / S. No std normalisation (Dr.GRPO).
     """
-    if variant not in BRPO_VARIANTS:
-        raise ValueError(f"unknown BRPO variant {variant!r}; choose one of {', '.join(BRPO_VARIANTS)}")
+    VARIANCE_REDUCTIONS.target(variant)  # an unknown variant fails before any work
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"decay (λ) must be in (0, 1], got {decay}")
     scores = torch.as_tensor(scores)
@@ -49,23 +49,36 @@ def brpo_advantages(scores: torch.Tensor, probs: torch.Tensor | Sequence[float],
     if probs.shape != (S,):
         raise ValueError(f"probs must have one entry per budget ({S}), got shape {tuple(probs.shape)}")
     R = returns_to_go(scores, probs)
-    if variant == "none":
-        return R
-    V2 = R.mean(dim=-2, keepdim=True).expand_as(R)
-    if variant == "v2only":
-        return R - V2
-    # V1[g, s] = (Σ_{j<s} λ^{s-j} r_j / Σ_{j<s} λ^{s-j}) · Σ_{j≥s} P_j, and 0 for s = 0.
+    return R - VARIANCE_REDUCTIONS.get(variant)(R, scores, probs, decay)
+
+
+def no_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, decay: float) -> torch.Tensor | float:
+    return 0.0
+
+
+def group_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, decay: float) -> torch.Tensor:
+    """V2: the group's mean return, self included."""
+    return R.mean(dim=-2, keepdim=True).expand_as(R)
+
+
+def progress_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, decay: float) -> torch.Tensor:
+    """V1[g, s] = (Σ_{j<s} λ^{s-j} r_j / Σ_{j<s} λ^{s-j}) · Σ_{j≥s} P_j, and 0 for s = 0."""
+    S = scores.shape[-1]
     idx = torch.arange(S, device=scores.device)
     exponent = (idx[:, None] - idx[None, :]).to(scores.dtype)  # [s, j] = s - j
     weights = torch.where(idx[None, :] < idx[:, None], decay ** exponent, torch.zeros_like(exponent))
     norm = weights.sum(-1).clamp_min(1e-30)
     discounted = scores @ weights.T / norm  # [.., G, s]
     remaining = probs.flip(0).cumsum(0).flip(0)
-    V1 = torch.where(idx == 0, torch.zeros_like(discounted), discounted * remaining)
-    if variant == "v1only":
-        return R - V1
-    s = idx.to(scores.dtype)
-    return R - (s * V1 + (S - s) * V2) / S
+    return torch.where(idx == 0, torch.zeros_like(discounted), discounted * remaining)
+
+
+def brpo_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, decay: float) -> torch.Tensor:
+    """V = (s·V1 + (S−s)·V2) / S: from the group's mean return to the trace's own progress."""
+    S = scores.shape[-1]
+    s = torch.arange(S, device=scores.device).to(scores.dtype)
+    V1, V2 = progress_baseline(R, scores, probs, decay), group_baseline(R, scores, probs, decay)
+    return (s * V1 + (S - s) * V2) / S
 
 
 def summary_advantages(scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +142,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - others
 
 
-# --- registries -------------------------------------------------------------------------------
+# --- the estimators registered by name in `anytime.algo` -------------------------------------
 
 ThinkingEstimator = Callable[..., torch.Tensor]
 
@@ -146,30 +159,21 @@ def _trace_level(fn: Callable[[torch.Tensor], torch.Tensor]) -> ThinkingEstimato
     return estimator
 
 
-def _brpo(scores: torch.Tensor, probs: torch.Tensor, decay: float = 0.5, variant: str = "brpo", **_: object) -> torch.Tensor:
+def brpo_thinking(scores: torch.Tensor, probs: torch.Tensor, decay: float = 0.5, variant: str = "brpo",
+                  **_: object) -> torch.Tensor:
     return brpo_advantages(scores, probs, decay=decay, variant=variant)
 
 
-THINKING_ESTIMATORS: dict[str, ThinkingEstimator] = {
-    "brpo": _brpo,
-    "grpo": _trace_level(lambda r: grpo_advantages(r, scale_by_std=True)),
-    "dr_grpo": _trace_level(lambda r: grpo_advantages(r, scale_by_std=False)),
-    "rloo": _trace_level(rloo_advantages),
-}
-
-SUMMARY_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "brpo": summary_advantages,
-    "grpo": summary_advantages_last_only,
-}
+grpo_thinking = _trace_level(lambda r: grpo_advantages(r, scale_by_std=True))
+dr_grpo_thinking = _trace_level(lambda r: grpo_advantages(r, scale_by_std=False))
+rloo_thinking = _trace_level(rloo_advantages)
 
 
 def thinking_advantages(name: str, scores: torch.Tensor, probs: Sequence[float] | torch.Tensor, **kwargs: object) -> torch.Tensor:
-    if name not in THINKING_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {', '.join(THINKING_ESTIMATORS)}")
-    return THINKING_ESTIMATORS[name](scores, probs, **kwargs)
+    """The thinking advantages of the estimator registered as `name` (`anytime.algo.THINKING_ESTIMATORS`)."""
+    return THINKING_ESTIMATORS.get(name)(scores, probs, **kwargs)
 
 
 def summary_advantages_by_name(name: str, scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
-    if name not in SUMMARY_ESTIMATORS:
-        raise ValueError(f"unknown summary estimator {name!r}; choose one of {', '.join(SUMMARY_ESTIMATORS)}")
-    return SUMMARY_ESTIMATORS[name](scores, prefix_group)
+    """The summary advantages of the estimator registered as `name` (`anytime.algo.SUMMARY_ESTIMATORS`)."""
+    return SUMMARY_ESTIMATORS.get(name)(scores, prefix_group)

@@ -1,6 +1,6 @@
 """Token-level PPO-clip policy loss with clip-higher, loss aggregation modes and optional KL.
 
-Aggregations (a registry, keyed by the recipe's `algorithm.loss_agg`):
+Aggregations (registered in `anytime.algo.LOSS_AGGREGATIONS`, keyed by the recipe's `algorithm.loss_agg`):
 - `token-mean`: Σ loss·mask / Σ mask (DAPO);
 - `seq-mean-token-mean`: mean over sequences of each sequence's token mean (original GRPO); a
   sequence is a row, or with `segments` (tree-packed rows) a (row, segment id) pair;
@@ -12,20 +12,22 @@ When a mini-batch is split into micro-batches, pass the mini-batch totals (`num_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-KL_TYPES = ("k1", "k3")
+from anytime.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from anytime.batch.train_batch import TrainBatch
 
 
-def _token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
                 max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
     denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype)
     return (x * mask).sum() / denom.clamp_min(1)
 
 
-def _seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
                          max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
     if segments is None:
         sums, counts = (x * mask).sum(-1), mask.sum(-1)
@@ -39,36 +41,32 @@ def _seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float 
     return per_seq.sum() / seqs.clamp_min(1)
 
 
-def _constant(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
+def constant_norm(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, num_rows: float | None,
               max_len: int | None, segments: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0] if num_rows is None else num_rows
     length = x.shape[-1] if max_len is None else max_len
     return (x * mask).sum() / (rows * length)
 
 
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "constant": _constant,
-}
-
-
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str, *, num_tokens: float | None = None,
               num_rows: float | None = None, max_len: int | None = None,
               segments: torch.Tensor | None = None) -> torch.Tensor:
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
-    return AGGREGATIONS[agg](x, mask.to(x.dtype), num_tokens, num_rows, max_len, segments)
+    return LOSS_AGGREGATIONS.get(agg)(x, mask.to(x.dtype), num_tokens, num_rows, max_len, segments)
+
+
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
+
+
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """e^{−k1} + k1 − 1: unbiased and non-negative."""
+    return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(π‖π_ref) estimate: k1 = log π − log π_ref; k3 = e^{−k1} + k1 − 1 (non-negative)."""
-    log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
-    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_TYPES)}")
+    """Per-token KL(π‖π_ref) estimate of the kind registered in `anytime.algo.KL_ESTIMATORS`
+    (k1 = log π − log π_ref; k3 = e^{−k1} + k1 − 1)."""
+    return KL_ESTIMATORS.get(kind)(logprobs - ref_logprobs)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -108,3 +106,54 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             loss = loss - entropy_coef * aggregate(entropy, mask, agg, **norm)
         stats["entropy"] = float((entropy.detach() * mask).sum() / count)
     return loss, stats
+
+
+# --- one mini-batch's loss, as every learner computes it -----------------------------------------
+
+# Statistics averaged over trained tokens (each reported by learners as a sum weighted by tokens).
+WEIGHTED_STATS = ("clip_frac", "approx_kl", "ratio_mean", "entropy", "kl_ref")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How a mini-batch's tokens become one scalar loss: the PPO-clip settings and the loss
+    normaliser of this mini-batch (see `anytime.learner.ppo.loss_spec`)."""
+
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    num_tokens: float | None = None      # None: the tokens of the rows at hand
+    num_rows: float | None = None        # None: the rows (sequences, for seq-mean) at hand
+    max_len: int | None = None           # None: the rows' width
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+
+    def policy_loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `policy_loss`."""
+        return {"agg": self.agg, "clip_low": self.clip_low, "clip_high": self.clip_high,
+                "num_tokens": self.num_tokens, "num_rows": self.num_rows, "max_len": self.max_len,
+                "entropy_coef": self.entropy_coef, "kl_coef": self.kl_coef, "kl_type": self.kl_type}
+
+
+def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch, spec: LossSpec,
+               ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of some rows of a mini-batch (its share of the mini-batch loss: summing it over the
+    mini-batch's micro-batches gives the mini-batch loss) and its statistics as token-weighted sums.
+    `logprobs`, `entropy`, `ref_logprobs` are target-aligned like the batch's per-token tensors."""
+    return masked_token_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, spec, entropy=entropy,
+                             ref_logprobs=ref_logprobs, segments=batch.segments)
+
+
+def masked_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, spec: LossSpec, *, entropy: torch.Tensor | None = None,
+                      ref_logprobs: torch.Tensor | None = None, segments: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """`token_loss` on plain tensors (the pipelined model's microbatches): the loss and its
+    statistics as sums (`loss`, `tokens`, and each of WEIGHTED_STATS times tokens), so the sums of
+    several micro-batches add up."""
+    loss, st = policy_loss(logprobs, old_logprobs.to(logprobs.dtype), advantages.to(logprobs.dtype), mask,
+                           ref_logprobs=ref_logprobs, entropy=entropy, segments=segments, **spec.policy_loss_kwargs())
+    sums = {"loss": float(loss.detach()), "tokens": st["tokens"]}
+    sums.update({k: st[k] * st["tokens"] for k in WEIGHTED_STATS if k in st})
+    return loss, sums

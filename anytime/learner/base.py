@@ -1,19 +1,19 @@
 """The learner interface: what the trainer and the PPO loop ask of a learner, whatever runs it
-(plain PyTorch data parallel, DeepSpeed ZeRO, or a zero-bubble pipeline), and the factory that
-builds the one a recipe names. Nothing outside the learners branches on the learner kind.
+(plain PyTorch data parallel, DeepSpeed ZeRO, or a zero-bubble pipeline). The implementations are
+registered in `anytime.learner` and built by `anytime.learner.factory.build_learner`; nothing
+outside the learners branches on the learner kind.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from anytime.learner.batch import TrainBatch
+from anytime.algo.loss import LossSpec
+from anytime.batch.train_batch import TrainBatch
 
 
 @dataclass
@@ -23,28 +23,6 @@ class StepResult:
     grad_norm: float       # global gradient norm before clipping (every rank sees the same)
     skipped: bool          # non-finite gradients: the update was not applied
     lr: float              # the learning rate the step used
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """How a mini-batch's tokens become one scalar loss: the PPO-clip settings and the loss
-    normaliser of this mini-batch (see `anytime.learner.ppo.loss_spec`)."""
-
-    agg: str
-    clip_low: float
-    clip_high: float
-    num_tokens: float
-    num_rows: float | None
-    max_len: int
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-
-    def policy_loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `anytime.algo.loss.policy_loss`."""
-        return {"agg": self.agg, "clip_low": self.clip_low, "clip_high": self.clip_high,
-                "num_tokens": self.num_tokens, "num_rows": self.num_rows, "max_len": self.max_len,
-                "entropy_coef": self.entropy_coef, "kl_coef": self.kl_coef, "kl_type": self.kl_type}
 
 
 class Learner(Protocol):
@@ -80,58 +58,5 @@ class Learner(Protocol):
     def save(self, folder: Path) -> None:
         """Write the learner's own state (optimizer, scheduler, shards) into `folder`."""
 
-    def load(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
-        """Restore the weights (full-model names) and the state `save` wrote."""
-
-
-def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
-    def fn(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-    return fn
-
-
-# The learner of each (pipelined, backend), as "module:class", imported when used: DeepSpeed is an
-# optional extra. Pipelined learners build their stages from the model path themselves; the
-# data-parallel ones take a loaded model (and the reference model).
-LEARNERS: dict[tuple[bool, str], str] = {
-    (False, "torch"): "anytime.learner.data_parallel:TorchLearner",
-    (False, "deepspeed"): "anytime.learner.deepspeed_learner:DeepSpeedLearner",
-    (True, "torch"): "anytime.learner.pipeline_learner:PipelineLearner",
-    (True, "deepspeed"): "anytime.learner.deepspeed_pipeline:DeepSpeedPipelineLearner",
-}
-
-
-def learner_class(pipelined: bool, backend: str) -> type:
-    import importlib
-
-    module, name = LEARNERS[(pipelined, backend)].split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_learner(recipe: Any, model_path: str) -> Learner:
-    """The learner a recipe asks for, on this process's device."""
-    from anytime.defaults import torch_dtype
-
-    lc = recipe.learner
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch_dtype(recipe.model.dtype)
-    total = recipe.trainer.steps
-    pipelined = lc.pipeline.stages > 1
-    kind = learner_class(pipelined, lc.backend)
-    if pipelined:
-        return kind(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
-    from anytime.learner.data_parallel import load_model
-
-    model = load_model(model_path, dtype, device, recipe.model.trust_remote_code, recipe.model.gradient_checkpointing)
-    ref = None
-    if lc.reference_model:
-        ref = load_model(model_path, dtype, device, recipe.model.trust_remote_code, False).eval()
-        ref.requires_grad_(False)
-    return kind(model, lc, total, ref_model=ref)
+    def load(self, folder: Path) -> None:
+        """Restore the weights and the state `save` wrote from a checkpoint folder."""

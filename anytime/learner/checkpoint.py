@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from anytime.dist import barrier, is_main
+from anytime.core.dist import barrier, is_main
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -4,7 +4,7 @@ loss is its share of the mini-batch loss: the normaliser is global).
 `TorchLearner` runs plain PyTorch AdamW; `anytime.learner.deepspeed_learner` runs the same
 micro-batch loop on a DeepSpeed ZeRO engine.
 
-Rows may be tree-packed (`anytime.learner.packing`): each micro-batch gets its position ids and
+Rows may be tree-packed (`anytime.batch.packing`): each micro-batch gets its position ids and
 attention mask from the rows' hidden key spans. Log-probs come from the decoder's hidden states
 through the LM head in chunks of tokens (`anytime.algo.logprobs.selected_logprobs`), only for the
 tokens that are needed, so no micro-batch holds its whole [tokens × vocabulary] logits.
@@ -13,26 +13,22 @@ tokens that are needed, so no micro-batch holds its whole [tokens × vocabulary]
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, head_chunks, selected_logprobs
-from anytime.attention import attention_inputs, packed_attn_implementation
-from anytime.config import LearnerConfig
-from anytime.dist import any_across_ranks, is_main, max_across_ranks, rank_world, sum_gradients
-from anytime.learner.base import LossSpec, StepResult, lr_lambda
-from anytime.learner.batch import TrainBatch
-from anytime.learner.ppo import add_sums, token_loss
+from anytime.algo.loss import LossSpec, token_loss
+from anytime.batch.train_batch import TrainBatch
+from anytime.core.dist import any_across_ranks, is_main, max_across_ranks, rank_world, sum_gradients
+from anytime.core.stats import add_sums
+from anytime.learner.base import StepResult
+from anytime.learner.lr_schedules import lr_lambda
+from anytime.models.attention import attention_inputs, packed_attn_implementation
+from anytime.models.loading import check_plain_head
 
-
-def load_model(path: str, dtype: torch.dtype, device: str, trust_remote_code: bool = False,
-               gradient_checkpointing: bool = False) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).to(device)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    return model
+if TYPE_CHECKING:
+    from anytime.config import LearnerConfig
 
 
 def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, select: torch.Tensor | None = None, *,
@@ -41,23 +37,13 @@ def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, select: torch.Te
     """Target-aligned log-probs (and entropies) of a batch's rows, [R, T-1], at the columns
     `select` (default: every column inside a row; 0 elsewhere); `chunks`: LM-head calls (see
     `selected_logprobs`)."""
-    _check_plain_head(model)
+    check_plain_head(model)
     dtype = next(model.parameters()).dtype
     inputs = attention_inputs(batch.input_ids, batch.lengths, batch.skip_start, batch.skip_end, model.config, dtype)
     hidden = model.get_decoder()(input_ids=batch.input_ids, use_cache=False, **inputs).last_hidden_state
     select = batch.valid_mask if select is None else select
     return selected_logprobs(hidden[:, :-1], model.get_output_embeddings(), batch.labels, select,
                              chunk_tokens=chunk_tokens, with_entropy=with_entropy, chunks=chunks)
-
-
-def _check_plain_head(model: torch.nn.Module) -> None:
-    """Log-probs are taken from decoder states through the output embedding: refuse models whose
-    forward transforms logits further (they would silently train on other log-probs)."""
-    config = model.config
-    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, name, None) not in (None, 1.0):
-            raise ValueError(f"{type(model).__name__} scales or caps its logits ({name}={getattr(config, name)}); "
-                             f"the learner computes log-probs from the LM head alone and does not support it")
 
 
 class DataParallelLearner:

@@ -13,14 +13,17 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from anytime.config import LearnerConfig
-from anytime.learner.base import StepResult, lr_lambda
+from anytime.learner.base import StepResult
 from anytime.learner.data_parallel import DataParallelLearner
+from anytime.learner.lr_schedules import lr_lambda
+
+if TYPE_CHECKING:
+    from anytime.config import LearnerConfig
 
 CHECKPOINT_TAG = "deepspeed"
 

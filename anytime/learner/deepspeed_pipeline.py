@@ -1,7 +1,7 @@
 """The DeepSpeed learner on the zero-bubble pipeline (`learner.backend: deepspeed` with
 `learner.pipeline.stages: P` and `learner.num_processes: P × D`): the mesh, rows and schedule of
 `PipelineLearner`, with each rank's stages trained by a DeepSpeed ZeRO-1/2 engine whose
-data-parallel group is the stage's D replicas (`anytime.pipeline.deepspeed_stage`).
+data-parallel group is the stage's D replicas (`anytime.learner.deepspeed_stage`).
 
 DeepSpeed owns the optimizer (fp32 master weights, bf16 on the GPU with `learner.bf16`), the
 gradient clipping by the norm over the whole mesh, the skip of steps with non-finite gradients on
@@ -22,7 +22,7 @@ from anytime.learner.pipeline_learner import PipelineLearner
 
 class DeepSpeedPipelineLearner(PipelineLearner):
     def _build_model(self, model: Any, total_steps: int, **kwargs: Any):
-        from anytime.pipeline.deepspeed_stage import DeepSpeedPipelinedCausalLM
+        from anytime.learner.deepspeed_stage import DeepSpeedPipelinedCausalLM
 
         ds = {"cfg": self.cfg, "total_steps": total_steps, "dp_group": self.mesh.dp_group}
         built = DeepSpeedPipelinedCausalLM(model, self.cfg.pipeline.schedule, deepspeed=ds, **self._model_kwargs(),
@@ -46,7 +46,7 @@ class DeepSpeedPipelineLearner(PipelineLearner):
 
     def load(self, folder: Path) -> None:
         from anytime.learner.checkpoint import check_deepspeed_files
-        from anytime.pipeline.deepspeed_stage import mesh_stage_files
+        from anytime.learner.deepspeed_stage import mesh_stage_files
 
         ds_dir = folder / CHECKPOINT_TAG
         check_deepspeed_files(ds_dir)  # DeepSpeed's own loader unpickles them

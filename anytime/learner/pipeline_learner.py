@@ -15,13 +15,17 @@ which builds each microbatch's mask and position ids.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anytime.config import LearnerConfig
-from anytime.learner.base import LossSpec, StepResult, lr_lambda
-from anytime.learner.batch import TrainBatch
+from anytime.algo.loss import LossSpec
+from anytime.batch.train_batch import TrainBatch
+from anytime.learner.base import StepResult
+from anytime.learner.lr_schedules import lr_lambda
+
+if TYPE_CHECKING:
+    from anytime.config import LearnerConfig
 
 
 class PipelineLearner:
@@ -57,7 +61,7 @@ class PipelineLearner:
 
     def _model_kwargs(self) -> dict[str, Any]:
         """`PipelinedCausalLM` arguments from the recipe and the mesh, whatever steps the stages."""
-        from anytime.attention import packed_attn_implementation
+        from anytime.models.attention import packed_attn_implementation
 
         cfg, p, m = self.cfg, self.cfg.pipeline, self.mesh
         return {"attn_implementation": packed_attn_implementation(self.device_type) if cfg.pack_summaries else None,

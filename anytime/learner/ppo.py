@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from anytime.algo.loss import WEIGHTED_STATS, LossSpec
+from anytime.batch.train_batch import MiniBatch, TrainBatch
+from anytime.core.dist import any_across_ranks, rank_world, sum_across_ranks
+from anytime.learner.base import Learner
 
-from anytime.algo.loss import policy_loss
-from anytime.config import AlgorithmConfig, LearnerConfig
-from anytime.dist import any_across_ranks, rank_world, sum_across_ranks
-from anytime.learner.base import Learner, LossSpec
-from anytime.learner.batch import MiniBatch, TrainBatch
+if TYPE_CHECKING:
+    from anytime.config import AlgorithmConfig, LearnerConfig
 
-# Statistics averaged over trained tokens (each reported by learners as a sum weighted by tokens).
-WEIGHTED_STATS = ("clip_frac", "approx_kl", "ratio_mean", "entropy", "kl_ref")
 _COUNTS = ("skipped_updates", "empty_minibatches")
 
 
-def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch,
-              dp_ranks: Sequence[int] | None = None) -> LossSpec:
+def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> LossSpec:
     """The loss normaliser of one mini-batch, in one place. It is global: the same for every
     data-parallel replica, counted over the whole mini-batch, so each replica's loss is its share
     of the mini-batch loss and the learners *sum* the replicas' gradients.
@@ -35,46 +32,19 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch,
       rows were dropped (dropping them then changes nothing);
     - `constant` (Dr.GRPO): those prompts' traces × a width: `algorithm.loss_norm_length` when the
       recipe fixes it (the official code's max_response_length), else the batch's `max_len`;
-    - `seq-mean-token-mean`: the sequences (thinking traces and summaries, each a row or a branch
-      of a tree-packed row) trained in the mini-batch by every replica (a collective: `dp_ranks`,
-      the data-parallel rank of every global rank, says which ranks share rows).
+    - `seq-mean-token-mean`: the sequences sampled for the mini-batch's prompts (every thinking
+      trace and summary with a token), counted before zero-advantage rows were dropped, as GRPO's
+      1/G, verl and TRL count them; so dropping changes no loss here either.
     """
     tokens = float(batch.tokens_per_prompt[mini.all_prompts].sum()) if mini.all_prompts else 0.0
     rows: float | None = None
     if algo.loss_agg == "constant":
         rows = float(max(len(mini.all_prompts) * batch.traces_per_prompt, 1))
     elif algo.loss_agg == "seq-mean-token-mean":
-        rows = float(max(_rows_of_every_replica(int(mini.batch.sequences.sum()), dp_ranks), 1))
+        rows = float(max(int(batch.sequences_per_prompt[mini.all_prompts].sum()) if mini.all_prompts else 0, 1))
     return LossSpec(algo.loss_agg, algo.clip_low, algo.clip_high, num_tokens=max(tokens, 1.0), num_rows=rows,
                     max_len=algo.loss_norm_length or batch.max_len, entropy_coef=algo.entropy_coef,
                     kl_coef=algo.kl_coef, kl_type=algo.kl_type)
-
-
-def _rows_of_every_replica(rows: int, dp_ranks: Sequence[int] | None) -> float:
-    """Σ over replicas of their row counts: the ranks of one replica (its pipeline stages) hold the
-    same rows, so each adds its count divided by how many they are (exact in float64)."""
-    if dp_ranks is None or len(dp_ranks) == 1:
-        return float(rows)
-    sharing = dp_ranks.count(dp_ranks[rank_world()[0]])
-    return sum_across_ranks([rows / sharing])[0]
-
-
-def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch, spec: LossSpec,
-               ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of some rows of a mini-batch (its share of the mini-batch loss: summing it over the
-    mini-batch's micro-batches gives the mini-batch loss) and its statistics as token-weighted sums.
-    `logprobs`, `entropy`, `ref_logprobs` are target-aligned like the batch's per-token tensors."""
-    loss, st = policy_loss(logprobs, batch.old_logprobs.to(logprobs.dtype), batch.advantages.to(logprobs.dtype),
-                           batch.loss_mask, ref_logprobs=ref_logprobs, entropy=entropy, segments=batch.segments,
-                           **spec.policy_loss_kwargs())
-    sums = {"loss": float(loss.detach()), "tokens": st["tokens"]}
-    sums.update({k: st[k] * st["tokens"] for k in WEIGHTED_STATS if k in st})
-    return loss, sums
-
-
-def add_sums(total: dict[str, float], part: dict[str, float]) -> None:
-    for k, v in part.items():
-        total[k] = total.get(k, 0.0) + v
 
 
 def logprob_mismatch(batch: TrainBatch) -> float:
@@ -103,7 +73,7 @@ def ppo_update(learner: Learner, batch: TrainBatch, algo: AlgorithmConfig, cfg: 
             if not any_across_ranks(len(mini.batch) > 0):  # every advantage was zero: nothing to learn
                 stats["empty_minibatches"].append(1.0)
                 continue
-            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch, learner.dp_ranks))
+            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch))
             if any_across_ranks(not math.isfinite(sums["loss"])):
                 learner.zero_grad()
                 stats["skipped_updates"].append(1.0)

@@ -28,7 +28,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from anytime.pipeline.schedule import Action, Schedule, ScheduleRequest, loop_placement
+from anytime.pipeline.schedule import Action, Generator, Schedule, ScheduleRequest, loop_placement
 
 _EPS = 1e-9
 
@@ -256,3 +256,6 @@ def zb_auto(req: ScheduleRequest) -> Schedule:
     if best_orders is None:
         raise ValueError(errors[0])
     return Schedule("zb-auto", p, m, 1, loop_placement(p, 1), {s: best_orders[s] for s in range(p)})
+
+
+ZB_AUTO = Generator(zb_auto)

@@ -6,7 +6,7 @@ optimizer per rank. (`anytime.learner.pipeline_learner.PipelineLearner` is the R
 the stages, the per-microbatch policy loss on the last stage, the post-validated optimizer step,
 pipelined log-probs, and the weights under the full model's names (checkpoints, weight sync).
 
-Batches may carry tree-packed rows (`skip_start`/`skip_end`, see `anytime.attention`): every
+Batches may carry tree-packed rows (`skip_start`/`skip_end`, see `anytime.models.attention`): every
 stage gets its microbatch's position ids and 4-D mask through the stage kwargs. The last stage
 turns its hidden states into log-probs in chunks of tokens (no full logits), at the trained
 tokens in training and at every column for `logprobs` (rows may be left-padded here).
@@ -22,15 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS
-from anytime.attention import attention_inputs, has_branches
-from anytime.dist import sum_gradients
+from anytime.algo.loss import WEIGHTED_STATS, LossSpec, masked_token_loss
+from anytime.core.dist import sum_gradients
+from anytime.models.attention import attention_inputs, has_branches
 from anytime.pipeline.runtime import PipelineExecutor
 from anytime.pipeline.schedule import Schedule
 
 # Loss statistics summed over microbatches (the token-weighted ones divided by tokens at the end);
 # they ride on the post-validation all-reduce, so their order is fixed.
-_EXTRAS = ("loss", "tokens", "clip_frac", "approx_kl", "ratio_mean", "entropy")
-_WEIGHTED = _EXTRAS[2:]
+_EXTRAS = ("loss", "tokens", *WEIGHTED_STATS)
 
 
 def _field(batch, name: str, required: bool = True):
@@ -60,7 +60,7 @@ class PipelinedCausalLM:
     optimizer step with post-validated global clipping; `logprobs(batch)` = a forward-only
     pipelined pass returning per-token log-probs of input_ids[:, 1:].
 
-    `loss_kwargs` go to `anytime.algo.loss.policy_loss` (agg, clip_low, clip_high, entropy_coef,
+    `loss_kwargs` are the fields of `anytime.algo.loss.LossSpec` (agg, clip_low, clip_high, entropy_coef,
     kl_coef, max_len, and the normalisers num_tokens / num_rows, which default to the batch's own
     totals); `train_step` and `forward_backward` take per-call overrides, e.g. the totals of a
     PPO mini-batch.
@@ -129,7 +129,7 @@ class PipelinedCausalLM:
     def _build_optimizer(self, norm_params: list[nn.Parameter], *, optimizer_factory, max_grad_norm: float | None,
                          post_validate: bool, rollback: str):
         """(optimizer of `self.params`, the object that steps it): here a PyTorch optimizer and its
-        `PostValidator`; `anytime.pipeline.deepspeed_stage` steps a DeepSpeed engine instead.
+        `PostValidator`; `anytime.learner.deepspeed_stage` steps a DeepSpeed engine instead.
         `norm_params` are the weights whose gradients count toward the global norm."""
         from anytime.pipeline.postvalidate import PostValidator
 
@@ -284,8 +284,6 @@ class PipelinedCausalLM:
         `entropy=True` also reports the mean token entropy (computed anyway when entropy_coef != 0);
         an optional `ref_logprobs` field of the batch feeds the KL term (kl_coef in loss_kwargs).
         """
-        from anytime.algo.loss import policy_loss
-
         if self.validator.pending:
             self.validate()
         b = self._prepare(batch)
@@ -301,7 +299,8 @@ class PipelinedCausalLM:
         kwargs.setdefault("num_rows", float((loss_mask.sum(-1) > 0).sum()) if agg == "seq-mean-token-mean"
                           else float(rows))
         kwargs.setdefault("num_tokens", float(loss_mask.sum()))
-        with_entropy = entropy or kwargs.get("entropy_coef", 0.0) != 0.0
+        spec = LossSpec(**kwargs)
+        with_entropy = entropy or spec.entropy_coef != 0.0
         # the loss reads only the trained tokens: the last stage's LM head runs on those alone
         last = self._head_kwargs(b, loss_mask > 0, with_entropy)
         segments = None if b["skip"] is None else b["skip"][1][:, 1:]
@@ -309,16 +308,16 @@ class PipelinedCausalLM:
         def loss_fn(out: torch.Tensor, j: int):
             r = slice(j * b["mb"], (j + 1) * b["mb"])
             lp = out[..., 0]
-            return policy_loss(lp, old[r].to(lp.dtype), adv[r].to(lp.dtype), loss_mask[r],
-                               ref_logprobs=None if ref is None else ref[r].to(lp.dtype),
-                               entropy=out[..., 1] if with_entropy else None,
-                               segments=None if segments is None else segments[r], **kwargs)
+            return masked_token_loss(lp, old[r], adv[r], loss_mask[r], spec,
+                                     ref_logprobs=None if ref is None else ref[r].to(lp.dtype),
+                                     entropy=out[..., 1] if with_entropy else None,
+                                     segments=None if segments is None else segments[r])
 
         stats = self.executor.train_step(lambda j: b["ids"][j * b["mb"]:(j + 1) * b["mb"]], loss_fn,
                                          self._boundary(b), stage_kwargs=self._kwargs(b, last))
         outputs = stats.outputs.values()
         tokens = sum(o["tokens"] for o in outputs)
-        weighted = {k: sum(o.get(k, 0.0) * o["tokens"] for o in outputs) for k in _WEIGHTED}
+        weighted = {k: sum(o.get(k, 0.0) for o in outputs) for k in WEIGHTED_STATS}
         self._pending_metrics = {"loss": sum(stats.losses), "tokens": tokens, **weighted}
         # `sums`: this rank's loss and token-weighted statistics (non-zero on the last stage only)
         return {"loss": sum(stats.losses) if stats.losses else None, "step_time": stats.wall,
@@ -345,7 +344,7 @@ class PipelinedCausalLM:
         tokens = sums["tokens"]
         self.last_metrics = {"loss": sums["loss"], "grad_norm": v.grad_norm, "clipped": v.clipped,
                              "skipped": v.skipped, "rolled_back": v.rolled_back, "tokens": tokens,
-                             **{k: sums[k] / max(tokens, 1.0) for k in _WEIGHTED}}
+                             **{k: sums[k] / max(tokens, 1.0) for k in WEIGHTED_STATS}}
         return self.last_metrics
 
     def train_step(self, batch, *, wait: bool = True, loss_kwargs: Mapping | None = None,

@@ -13,7 +13,8 @@ import argparse
 import json
 import sys
 
-from anytime.pipeline.schedule import SCHEDULE_NAMES, StageCosts, build_schedule
+from anytime.pipeline import SCHEDULES
+from anytime.pipeline.schedule import StageCosts, build_schedule
 from anytime.pipeline.simulate import SimResult, simulate
 
 _TEXT_TIMELINE_MAX_WIDTH = 240
@@ -24,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "name",
         metavar="NAME",
-        choices=(*SCHEDULE_NAMES, "compare"),
-        help=f"schedule to show ({', '.join(SCHEDULE_NAMES)}) or 'compare' for a table of all",
+        choices=(*SCHEDULES.names(), "compare"),
+        help=f"schedule to show ({', '.join(SCHEDULES.names())}) or 'compare' for a table of all",
     )
     parser.add_argument("-p", "--ranks", type=int, required=True, help="pipeline ranks (devices)")
     parser.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per iteration")
@@ -110,7 +111,7 @@ def _describe(result: SimResult) -> str:
 
 def _compare(args: argparse.Namespace, costs: StageCosts) -> int:
     rows: list[dict] = []
-    for name in SCHEDULE_NAMES:
+    for name in SCHEDULES.names():
         chunks = args.chunks if name == "interleaved-1f1b" else None
         try:
             res = _simulate_one(name, args, costs, chunks)

@@ -80,7 +80,7 @@ class CausalLMStage(nn.Module):
 
     forward(x, attention_mask, position_ids): x is token ids on stage 0 and hidden states
     elsewhere; returns hidden states, or logits on the last stage. `attention_mask` is a 2-D
-    padding mask or a prepared 4-D one (tree-packed rows, `anytime.attention`). Given `labels`
+    padding mask or a prepared 4-D one (tree-packed rows, `anytime.models.attention`). Given `labels`
     (the targets of columns 0..T-2), the last stage returns their log-probs (and entropies) as
     [rows, T-1, 1 or 2] instead of logits, computed in chunks of tokens at the columns `select`
     (`anytime.algo.logprobs.selected_logprobs`), so the full logits never exist.

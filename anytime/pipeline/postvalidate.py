@@ -1,5 +1,5 @@
 """Optimizer post-validation: global grad-norm clipping and inf/NaN checks without a blocking
-all-reduce in front of the optimizer step (zero-bubble paper §5; docs/pipeline-schedules.md §5).
+all-reduce in front of the optimizer step (zero-bubble paper §5).
 
 A plain pipeline learner must all-reduce the squared gradient norm and an inf flag across the
 stages before stepping; that barrier lines the stages up and re-opens the bubble a zero-bubble
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from anytime.dist import collective_device
+from anytime.core.dist import collective_device
 
 ROLLBACK_MODES = ("auto", "inverse", "snapshot")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon, so clipping matches it exactly

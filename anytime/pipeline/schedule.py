@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: the action IR, placements, validation and the generator registry.
+"""Pipeline schedules as data: the action IR, placements, validation and `build_schedule`.
 
 A schedule is, for every pipeline rank, the ordered list of compute actions it runs. Actions use the
 notation of ``torch.distributed.pipelining`` (``{stage}{F|I|W|B}{microbatch}``): F = forward,
@@ -8,8 +8,9 @@ PyTorch's letters lets a schedule be checked by PyTorch's own validators and loa
 Stages are *virtual* stages: with ``chunks = v`` every rank holds v model chunks, so there are
 ``ranks * v`` stages and ``placement[stage]`` says which rank runs it (loop or V shape).
 
-Generators live in ``schedules_1f1b.py``, ``schedules_zb.py``, ``schedules_v.py`` and ``auto.py``;
-``build_schedule`` is the one entry point (see ``SCHEDULE_NAMES``).
+Generators live in ``schedules_1f1b.py``, ``schedules_zb.py``, ``schedules_v.py`` and ``auto.py``
+and are registered by name in ``anytime.pipeline.SCHEDULES``; ``build_schedule`` is the one entry
+point.
 """
 
 from __future__ import annotations
@@ -18,19 +19,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from anytime.pipeline import SCHEDULES
+
 ACTION_KINDS = ("F", "I", "W", "B")
 _ACTION_RE = re.compile(r"^(\d+)([FIWB])(\d+)$")
-
-SCHEDULE_NAMES: tuple[str, ...] = (
-    "1f1b",
-    "interleaved-1f1b",
-    "zb-h1",
-    "zb-h2",
-    "zb-v",
-    "v-half",
-    "v-min",
-    "zb-auto",
-)
 
 # M_W / M_B: share of a microbatch's activations that a pending W still holds (the inputs of the
 # weight GEMMs, 32sbh of sb(34h + 5as) per layer). 32/34 is its largest value (fused attention
@@ -227,29 +219,19 @@ class ScheduleRequest:
 
 
 @dataclass(frozen=True)
-class _Generator:
+class Generator:
+    """A schedule generator and the model chunks per rank it accepts (registered by name in
+    `anytime.pipeline.SCHEDULES`)."""
+
     build: Callable[[ScheduleRequest], Schedule]
-    default_chunks: int
-    allowed_chunks: Callable[[int], bool]
-    chunks_rule: str
+    default_chunks: int = 1
+    allowed_chunks: Callable[[int], bool] = lambda v: v == 1
+    chunks_rule: str = "chunks must be 1"
 
 
-def _registry() -> dict[str, _Generator]:
-    # Imported here, not at module level: the generator modules import the IR from this module.
-    from anytime.pipeline import auto, schedules_1f1b, schedules_v, schedules_zb
-
-    one = (lambda v: v == 1, "chunks must be 1")
-    two = (lambda v: v == 2, "V schedules need chunks = 2")
-    return {
-        "1f1b": _Generator(schedules_1f1b.one_f_one_b, 1, *one),
-        "interleaved-1f1b": _Generator(schedules_1f1b.interleaved_1f1b, 2, lambda v: v >= 2, "chunks must be >= 2"),
-        "zb-h1": _Generator(schedules_zb.zb_h1, 1, *one),
-        "zb-h2": _Generator(schedules_zb.zb_h2, 1, *one),
-        "zb-v": _Generator(schedules_v.zb_v, 2, *two),
-        "v-half": _Generator(schedules_v.v_half, 2, *two),
-        "v-min": _Generator(schedules_v.v_min, 2, *two),
-        "zb-auto": _Generator(auto.zb_auto, 1, *one),
-    }
+def v_shaped(build: Callable[[ScheduleRequest], Schedule]) -> Generator:
+    """A generator of two chunks per rank in a V."""
+    return Generator(build, 2, lambda v: v == 2, "V schedules need chunks = 2")
 
 
 def build_schedule(
@@ -262,16 +244,15 @@ def build_schedule(
     *,
     w_mem_fraction: float | None = None,
 ) -> Schedule:
-    """Generate schedule ``name`` (one of ``SCHEDULE_NAMES``) for ``ranks`` ranks and ``microbatches``.
+    """Generate schedule ``name`` (one of ``SCHEDULES.names()``) for ``ranks`` ranks and ``microbatches``.
 
     ``costs`` (full-stage times, one or one per stage) and ``mem_limit`` (activation memory per
     rank in M_B units) matter to the cost-aware generators (zb-h2, zb-auto); ``mem_limit`` below
     one microbatch is rejected. The result is validated before it is returned.
     """
-    generators = _registry()
-    if name not in generators:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    gen = generators[name]
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES.names())}")
+    gen = SCHEDULES.get(name)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise ValueError(f"ranks must be an integer >= 2, got {ranks!r}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:

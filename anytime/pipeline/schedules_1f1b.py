@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from anytime.pipeline.schedule import Action, Schedule, ScheduleRequest, loop_placement
+from anytime.pipeline.schedule import Action, Generator, Schedule, ScheduleRequest, loop_placement
 
 
 def one_f_one_b(req: ScheduleRequest) -> Schedule:
@@ -57,3 +57,7 @@ def interleaved_1f1b(req: ScheduleRequest) -> Schedule:
         order += [op_action(i, k, False) for k in range(total - warmup, total)]
         actions[i] = order
     return Schedule("interleaved-1f1b", p, m, v, loop_placement(p, v), actions)
+
+
+ONE_F_ONE_B = Generator(one_f_one_b)
+INTERLEAVED_1F1B = Generator(interleaved_1f1b, 2, lambda v: v >= 2, "chunks must be >= 2")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from anytime.pipeline.schedule import Action, Schedule, ScheduleRequest, v_placement
+from anytime.pipeline.schedule import Action, Schedule, ScheduleRequest, v_placement, v_shaped
 
 
 def zb_v(req: ScheduleRequest) -> Schedule:
@@ -126,3 +126,8 @@ def _check_block_dependencies(name: str, p: int, m: int, slot_of: dict[tuple[int
             for (kind, stage), (dkind, dstage) in deps:
                 if slot_of[(dstage, dkind, j)] >= slot_of[(stage, kind, j)]:
                     raise ValueError(f"{name}: building block for p={p} violates {dstage}{dkind}{j} -> {stage}{kind}{j}")
+
+
+ZB_V = v_shaped(zb_v)
+V_HALF = v_shaped(v_half)
+V_MIN = v_shaped(v_min)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from anytime.pipeline.schedule import Action, Schedule, ScheduleRequest, loop_placement
+from anytime.pipeline.schedule import Action, Generator, Schedule, ScheduleRequest, loop_placement
 
 _EPS = 1e-9
 
@@ -123,3 +123,7 @@ def _list_schedule(req: ScheduleRequest, cap: float) -> dict[int, list[Action]]:
         stalled.clear()
         placed += 1
     return orders
+
+
+ZB_H1 = Generator(zb_h1)
+ZB_H2 = Generator(zb_h2)

@@ -292,7 +292,7 @@ def planned(plan: PlanFn, k: int, trace: Completion, expected: int | None) -> li
     return branches
 
 
-def _check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_positions: int | None) -> None:
+def check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_positions: int | None) -> None:
     """Shared constructor checks: lengths the model can actually serve."""
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -308,41 +308,12 @@ def _check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_pos
         )
 
 
-def create_engine(
-    kind: str,
-    model_path: str,
-    *,
-    max_model_len: int,
-    max_prompt_len: int | None = None,
-    dtype: str = "float32",
-    seed: int = 0,
-    **engine_kwargs: Any,
-) -> RolloutEngine:
-    """Build a rollout engine: ``kind`` is ``"hf"`` (transformers) or ``"vllm"``.
+def create_engine(kind: str, model_path: str, *, max_model_len: int, max_prompt_len: int | None = None,
+                  dtype: str = "float32", seed: int = 0, **engine_kwargs: Any) -> RolloutEngine:
+    """Build the rollout engine registered as `kind` in `anytime.rollout.ENGINES` (`"hf"`:
+    transformers, `"vllm"`). `engine_kwargs` go to the engine class (e.g. `device`/`prefix_reuse`
+    for hf, `kv_cache_gb`/`gpu_memory_utilization` for vllm)."""
+    from anytime.rollout import ENGINES
 
-    ``engine_kwargs`` go to the engine class (e.g. ``device``/``prefix_reuse`` for hf,
-    ``kv_cache_gb``/``gpu_memory_utilization`` for vllm).
-    """
-    if kind == "hf":
-        from anytime.rollout.hf import HFEngine
-
-        return HFEngine(
-            model_path,
-            max_model_len=max_model_len,
-            max_prompt_len=max_prompt_len,
-            dtype=dtype,
-            seed=seed,
-            **engine_kwargs,
-        )
-    if kind == "vllm":
-        from anytime.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(
-            model_path,
-            max_model_len=max_model_len,
-            max_prompt_len=max_prompt_len,
-            dtype=dtype,
-            seed=seed,
-            **engine_kwargs,
-        )
-    raise ValueError(f"unknown rollout engine kind {kind!r}: use 'hf' or 'vllm'")
+    return ENGINES.get(kind)(model_path, max_model_len=max_model_len, max_prompt_len=max_prompt_len, dtype=dtype,
+                             seed=seed, **engine_kwargs)

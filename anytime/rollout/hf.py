@@ -25,8 +25,8 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from anytime.defaults import DTYPE_NAMES, torch_dtype
-from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig, _check_lengths
+from anytime.defaults import DTYPES, torch_dtype
+from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig, check_lengths
 from anytime.rollout.seeding import sample_seeds, uniforms
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype={dtype!r} is not supported by the hf engine; use one of {DTYPE_NAMES}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported by the hf engine; use one of {DTYPES.names()}")
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         if device is None:
@@ -178,7 +178,7 @@ class HFEngine(RolloutEngine):
         )
         self.model = model.to(self.device).eval()
         config = self.model.config
-        _check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
+        check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
         self.max_model_len = max_model_len
         self.max_prompt_len = max_prompt_len
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]

@@ -13,16 +13,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
-from anytime.config import Recipe
-from anytime.dist import broadcast_object, local_share, rank_world, scatter_tensors
-from anytime.learner.batch import TrainBatch
+from anytime.batch.train_batch import TrainBatch
+from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
 from anytime.rollout.placement import RolloutWorkerError, pin_cpus, shares_by_rank, slowest, step_metrics
+
+if TYPE_CHECKING:
+    from anytime.config import Recipe
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,8 @@ class RolloutActor:
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         self.worker.engine.receive_weights(layout)
 
-    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        return self.worker.evaluate()
+    def apply(self, fn: Callable[[Any], Any]) -> Any:
+        return self.worker.apply(fn)
 
     def sleep(self) -> None:
         self.worker.sleep()
@@ -112,7 +116,7 @@ class RayRollouts:
         r = recipe.rollout
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            from anytime.watchdog import children, watch
+            from anytime.core.watchdog import children, watch
 
             before = children()
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
@@ -198,8 +202,8 @@ class RayRollouts:
             ref = ray.put(to_numpy(state))  # once; every actor reads it from the object store
             self._get([a.update_weights.remote(ref) for a in self.actors], "the weight sync")
 
-    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        return broadcast_object(self._get([self.actors[0].evaluate.remote()], "the evaluation")[0]
+    def on_first_worker(self, fn: Callable[[Any], T]) -> T:
+        return broadcast_object(self._get([self.actors[0].apply.remote(fn)], getattr(fn, "__name__", "a call"))[0]
                                 if self.actors else None)
 
     def sleep(self) -> None:

@@ -36,7 +36,7 @@ from anytime.rollout.engine import (
     PlanFn,
     RolloutEngine,
     SamplingConfig,
-    _check_lengths,
+    check_lengths,
 )
 from anytime.rollout.streaming import AnytimeStream, Request
 from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_weights
@@ -104,7 +104,7 @@ class NcclWeightSender:
 
 
 def _inside_process_group() -> bool:
-    from anytime.dist import rank_world
+    from anytime.core.dist import rank_world
 
     return rank_world()[1] > 1
 
@@ -165,7 +165,7 @@ class VLLMEngine(RolloutEngine):
         if dtype not in _SERVED_DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported by the vllm engine; use one of {_SERVED_DTYPES}")
         config = AutoConfig.from_pretrained(model_path)
-        _check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
+        check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
 
         # In-process by default: weight sync hands tensors to the worker without copying them, and no
         # engine process can be left spinning.
@@ -229,7 +229,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         # A previous engine in this process froze vLLM's environment; read the settings above afresh.
         envs.disable_envs_cache()
-        from anytime.watchdog import children, watch
+        from anytime.core.watchdog import children, watch
 
         before = children()
         try:

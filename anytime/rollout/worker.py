@@ -1,35 +1,31 @@
 """A rollout worker: one engine, one verifier, the anytime rollout, the advantage estimators and the
 train-batch builder behind one call, `worker.rollout(prompts, golds, step) -> (TrainBatch, metrics)`,
-plus the held-out evaluation on the same engine and the learner's weights coming back to it.
+and the learner's weights coming back to it. Other work on the same engine (the trainer's held-out
+eval) is handed in as a function: `worker.apply(fn)` runs `fn(worker)` where the worker lives.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
-from anytime.budget import anytime_score
-from anytime.config import Recipe
-from anytime.learner.batch import TrainBatch
-from anytime.learner.packing import build_train_batch
-from anytime.rollout.anytime import AnytimeRollout, AnytimeRolloutRunner, AnytimeSettings, _encode
+from anytime.algo.budget import anytime_score
+from anytime.batch.anytime_rollout import AnytimeRollout
+from anytime.batch.packing import build_train_batch
+from anytime.batch.train_batch import TrainBatch
+from anytime.rollout.runner import AnytimeRolloutRunner
+from anytime.rollout.settings import engine_max_len, training_settings
+
+if TYPE_CHECKING:
+    from anytime.config import Recipe
 
 log = logging.getLogger(__name__)
-
-
-def engine_max_len(recipe: Recipe, tokenizer: Any) -> int:
-    """The longest request the rollout makes: the longest prompt, a whole thinking budget, the
-    inserted close and header, and a summary (unless the recipe sets rollout.max_model_len)."""
-    if recipe.rollout.max_model_len is not None:
-        return recipe.rollout.max_model_len
-    s = recipe.summary
-    inserted = len(_encode(tokenizer, s.close_text)) + len(_encode(tokenizer, s.header))
-    return recipe.data.max_prompt_len + recipe.budget.max_thinking + inserted + s.max_tokens
+T = TypeVar("T")
 
 
 def rollout_sums(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, rows: int) -> dict[str, float]:
@@ -45,12 +41,6 @@ def rollout_sums(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tens
     })
     sums.update({f"reason/{k}": float(v) for k, v in rollout.failure_reasons().items()})
     return sums
-
-
-def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
-    for k, v in part.items():
-        total[k] = total.get(k, 0.0) + v
-    return total
 
 
 def rollout_metrics(sums: dict[str, float], budgets: Sequence[int], probs: Sequence[float]) -> dict[str, float]:
@@ -74,7 +64,7 @@ class RolloutWorker:
     """Everything between prompts and a `TrainBatch` for one engine (rank 0 of the learners owns it)."""
 
     def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int) -> None:
-        from anytime.reward import RewardScorer
+        from anytime.reward.verifier import RewardScorer
         from anytime.rollout.engine import create_engine
 
         r = recipe
@@ -88,16 +78,7 @@ class RolloutWorker:
                                     max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
                                     **kwargs)
         self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
-        common = dict(summary_max_tokens=r.summary.max_tokens, close_text=r.summary.close_text,
-                      header=r.summary.header, think_end=r.summary.think_end, seed=r.trainer.seed)
-        self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, AnytimeSettings(
-            tuple(r.budget.grid()), r.rollout.n, r.summary.n, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-            summary_temperature=r.summary.temperature, **common))
-        ev = r.eval
-        self.eval_budgets = list(ev.budgets or r.budget.grid())
-        self.eval_runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, AnytimeSettings(
-            tuple(self.eval_budgets), ev.samples, 1, temperature=ev.temperature if ev.temperature > 0 else 0.0,
-            top_p=ev.top_p, summary_temperature=ev.temperature, **common))
+        self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int,
                 prompt_index: Sequence[int] | None = None, num_prompts: int | None = None
@@ -128,32 +109,10 @@ class RolloutWorker:
         sums["rollout_seconds"] = time.perf_counter() - start
         return batch, sums, timings
 
-    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Held-out accuracy at every eval budget on the recipe's benchmarks (at `eval.temperature`), and
-        per-sample records (`anytime.eval_records`, tagged with the benchmark), at most
-        `eval.max_sample_records` shared fairly between the benchmarks."""
-        from anytime.benchmarks import load_benchmark
-        from anytime.eval_records import cap_records
-        from anytime.evaluate import evaluate_rows
-
-        r, ev = self.recipe, self.recipe.eval
-        result: dict[str, float] = {}
-        scores = []
-        records: list[dict[str, Any]] = []
-        for name in ev.benchmarks:
-            rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
-                                  synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops))
-            out = evaluate_rows(self.eval_runner, self.tokenizer, rows, budgets=self.eval_budgets,
-                                instruction=r.data.instruction, max_prompt_len=r.data.max_prompt_len, seed=ev.seed,
-                                records=records if ev.max_sample_records else None, tags={"benchmark": name})
-            for j, b in enumerate(self.eval_budgets):
-                result[f"eval/{name}/acc@{b}"] = out["accuracy"][j]
-            result[f"eval/{name}/anytime"] = out["anytime_accuracy"]
-            result[f"eval/{name}/final"] = out["final_accuracy"]
-            result[f"eval/{name}/think_len"] = out["avg_thinking_length"]
-            scores.append(out["anytime_accuracy"])
-        result["eval/anytime"] = sum(scores) / max(len(scores), 1)
-        return result, cap_records(records, ev.max_sample_records)
+    def apply(self, fn: Callable[[RolloutWorker], T]) -> T:
+        """`fn(self)`: work on this worker's engine, verifier and tokenizer handed in by a caller above
+        the rollout layer (the trainer's held-out eval), so the rollout never imports it."""
+        return fn(self)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)

@@ -1,0 +1,79 @@
+"""The rollout result: one step's (or one eval batch's) traces, budget cuts, summaries and verified
+scores as padded tensors indexed [prompt B, trace G, budget S, summary A]. `anytime.rollout.runner`
+builds it from an engine's completions; `anytime.batch.packing` turns it into a `TrainBatch`;
+`anytime.evaluation.records` turns it into per-sample records.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from anytime.reward.verifier import REASONS
+
+
+@dataclass
+class AnytimeRollout:
+    """One rollout batch as padded tensors (pad id 0, lengths given): the currency between the
+    rollout and the advantage / train-batch stages. Shapes: B prompts, G traces per prompt, S
+    budgets, A summaries per budget, L longest trace, M longest summary."""
+
+    budgets: list[int]                 # [S]
+    golds: list[Any]                   # [B] raw gold answers
+    prompt_ids: torch.Tensor           # [B, P] long
+    prompt_len: torch.Tensor           # [B]
+    think_ids: torch.Tensor            # [B, G, L] generated thinking, the closing `</think>` included
+    think_logprobs: torch.Tensor       # [B, G, L] float32, the engine's raw log-probs
+    think_len: torch.Tensor            # [B, G]
+    natural_end: torch.Tensor          # [B, G] bool: closed its thinking by itself
+    eos_end: torch.Tensor              # [B, G] bool: stopped on EOS without closing
+    cut: torch.Tensor                  # [B, G, S] thinking tokens kept before the inserted tokens
+    forced_close: torch.Tensor         # [B, G, S] bool: the close text was inserted (a real cut)
+    prefix_group: torch.Tensor         # [B, G, S] equal ids share one summary prompt
+    summary_ids: torch.Tensor          # [B, G, S, A, M] long
+    summary_logprobs: torch.Tensor     # [B, G, S, A, M] float32
+    summary_len: torch.Tensor          # [B, G, S, A]
+    scores: torch.Tensor               # [B, G, S, A] in {0, 1}
+    reasons: torch.Tensor              # [B, G, S, A] index into anytime.reward.verifier.REASONS
+    answers: list[str | None]          # [B·G·S·A] the extracted answers, in (b, g, j, a) order
+    texts: list[str]                   # [B·G·S·A] what the verifier read
+    close_ids: tuple[int, ...]
+    header_ids: tuple[int, ...]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def budget_scores(self) -> torch.Tensor:
+        """r_j: mean summary score of each trace at each budget, [B, G, S]."""
+        return self.scores.mean(-1)
+
+    def accuracy_per_budget(self) -> list[float]:
+        return self.scores.mean(dim=(0, 1, 3)).tolist()
+
+    def failure_reasons(self) -> Counter:
+        return Counter(REASONS[i] for i in self.reasons.flatten().tolist())
+
+    def thinking_lengths(self) -> list[int]:
+        return self.think_len.flatten().tolist()
+
+    def inserted_ids(self, b: int, g: int, j: int) -> list[int]:
+        """The tokens forced between thinking[:cut] and the summary of budget j (never trained)."""
+        return list(self.close_ids if self.forced_close[b, g, j] else ()) + list(self.header_ids)
+
+
+def eos_zeroed(eos_end: bool, length: int, budget: int) -> bool:
+    """A trace that stopped on EOS (without closing its thinking) scores 0 at budgets b ≥ |z|."""
+    return eos_end and budget >= length
+
+
+def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Ragged rows (in row-major order of `shape`) right-padded with zeros into [*shape, longest]."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out.view(*shape, -1)

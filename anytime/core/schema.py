@@ -1,0 +1,106 @@
+"""Typed dataclasses from plain data (YAML): every value checked against its field's type, with
+errors that name the key path and what is allowed (`RecipeError`). The recipe schema
+(`anytime.config`) is built with it; choice fields take their allowed values from a registry
+(`Annotated[str, Choice(REGISTRY)]`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Annotated, Any, Literal
+
+from anytime.errors import RecipeError
+from anytime.registry import Choice
+
+
+def field_choice(tp: Any) -> Choice | None:
+    """The allowed values of an `Annotated[str, Choice(...)]` field (None for other types)."""
+    if typing.get_origin(tp) is Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, Choice)), None)
+    return None
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if field_choice(tp) is not None:
+        return "one of " + ", ".join(repr(a) for a in field_choice(tp).names())
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    choice = field_choice(tp)
+    if choice is not None:
+        return one_of(value, choice.names(), path)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key `{path}` must be a mapping of {tp.__name__} fields, got {value!r}")
+        return build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(value, arg, path)
+            except RecipeError:
+                continue
+        raise RecipeError(f"recipe key `{path}` must be {type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        return one_of(value, typing.get_args(tp), path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"recipe key `{path}` must be {type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `5e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise RecipeError(f"recipe key `{path}` must be {type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def one_of(value: Any, allowed: tuple[Any, ...], path: str) -> Any:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RecipeError(f"recipe key `{path}` must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+    return value
+
+
+def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean `{(prefix + '.' if prefix else '') + close[0]}`?" if close else ""
+            raise RecipeError(f"unknown recipe key `{path}`{hint} (allowed here: {', '.join(names)})")
+        kwargs[key] = convert(value, hints[key], path)
+    return cls(**kwargs)

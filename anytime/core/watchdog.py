@@ -1,0 +1,154 @@
+"""A watchdog for processes we start but do not parent directly (vLLM's engine core and its workers,
+a local Ray cluster): when their owner dies, however it dies (SIGKILL, the OOM killer), it kills
+them and everything they started within a second, so nothing keeps running or holds the owner's
+pipes open. It exits by itself once everything it watches has ended.
+
+`watch(pids)` starts one as a detached process (`python -m anytime.core.watchdog OWNER PID... [--remove GLOB]`);
+the globs name files the owner deletes itself when it lives (e.g. weights handed to an engine), which
+the watchdog deletes when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+
+POLL_SECONDS = 0.5
+
+
+def watch(pids: Iterable[int], owner: int | None = None, owner_files: Iterable[str] = ()) -> subprocess.Popen | None:
+    """Kill `pids` and their descendants when `owner` (default: this process) dies, and delete the
+    files that match the `owner_files` globs."""
+    pids = [int(p) for p in pids]
+    if not pids:
+        return None
+    owner = os.getpid() if owner is None else owner
+    removes = [arg for pattern in owner_files for arg in ("--remove", pattern)]
+    return subprocess.Popen([sys.executable, "-m", "anytime.core.watchdog", str(owner), *map(str, pids), *removes],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            close_fds=True, start_new_session=True)
+
+
+def children() -> set[int]:
+    """This process's children but Python's multiprocessing helpers: the resource tracker must
+    outlive a killed owner, since it is what unlinks the shared memory and semaphores left behind."""
+    import psutil
+
+    helpers = ("resource_tracker", "forkserver")
+    found = set()
+    for proc in psutil.Process().children(recursive=False):
+        try:
+            if not any(h in " ".join(proc.cmdline()) for h in helpers):
+                found.add(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _same(pid: int, born: float) -> bool:
+    """`pid` is still the process started at `born` (pids are recycled)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _shared_memory(procs: list) -> set[str]:
+    """The /dev/shm files the processes map (vLLM's message queues, semaphores)."""
+    import psutil
+
+    files = set()
+    for proc in procs:
+        try:
+            files.update(m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return files
+
+
+def _mapped_anywhere(path: str) -> bool:
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            if any(m.path == path for m in proc.memory_maps(grouped=True)):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+def _kill_trees(targets: dict[int, float]) -> None:
+    """SIGKILL the targets and their descendants, then remove the shared memory they left mapped
+    (killed processes never unlink it, and /dev/shm is RAM)."""
+    import psutil
+
+    victims = []
+    for pid, born in targets.items():
+        if not _same(pid, born):
+            continue
+        proc = psutil.Process(pid)
+        victims += [proc, *proc.children(recursive=True)]
+    shared = _shared_memory(victims)
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    for path in shared:
+        if os.path.exists(path) and not _mapped_anywhere(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _remove(patterns: list[str]) -> None:
+    for path in (p for pattern in patterns for p in glob.glob(pattern)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    import psutil
+
+    parser = argparse.ArgumentParser(prog="python -m anytime.core.watchdog")
+    parser.add_argument("owner", type=int)
+    parser.add_argument("pids", type=int, nargs="+")
+    parser.add_argument("--remove", action="append", default=[], help="glob of files to delete when the owner dies")
+    args = parser.parse_args(argv)
+    owner, pids = args.owner, args.pids
+    targets = {}
+    for pid in pids:
+        try:
+            targets[pid] = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        owner_born = psutil.Process(owner).create_time()
+    except psutil.NoSuchProcess:
+        _remove(args.remove)
+        _kill_trees(targets)
+        return 0
+    while any(_same(pid, born) for pid, born in targets.items()):
+        if not _same(owner, owner_born):
+            _remove(args.remove)  # the owner can write no more of them
+            _kill_trees(targets)
+            return 0
+        time.sleep(POLL_SECONDS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,73 @@
+"""The benchmark registry: names → where their rows live (hub or a local file), from
+`eval/benchmarks.yaml`. `synthetic` is built in (held-out problems of the quickstart task)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from anytime.data.prompts import DataError, PromptRow, load_rows, synthetic_rows
+
+REGISTRY_ENV = "ANYTIME_BENCHMARKS"
+SYNTHETIC = "synthetic"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    hub: str | None = None
+    config: str | None = None
+    split: str = "test"
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    local: str | None = None
+    local_problem_key: str | None = None
+    local_answer_key: str | None = None
+
+
+def registry_path() -> Path:
+    env = os.environ.get(REGISTRY_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "eval" / "benchmarks.yaml"
+
+
+def load_registry(path: Path | None = None) -> dict[str, Benchmark]:
+    path = path or registry_path()
+    if not path.is_file():
+        raise DataError(f"benchmark registry {str(path)!r} not found; set {REGISTRY_ENV} to your benchmarks.yaml")
+    data = yaml.safe_load(path.read_text()) or {}
+    out = {SYNTHETIC: Benchmark(SYNTHETIC)}
+    for name, entry in data.items():
+        try:
+            out[name] = Benchmark(name=name, **entry)
+        except TypeError as exc:
+            raise DataError(f"{path}: benchmark {name!r} has a bad field ({exc})") from None
+    return out
+
+
+def load_benchmark(name: str, *, data_dir: str | Path | None = None, limit: int | None = None,
+                   seed: int = 0, synthetic_ops: tuple[int, int] = (3, 6)) -> list[PromptRow]:
+    """Rows of a registered benchmark, from `data_dir` when given, else from the hub. `synthetic`
+    draws `limit` (default 200) held-out problems with `synthetic_ops` (min, max) operations."""
+    registry = load_registry()
+    if name not in registry:
+        raise DataError(f"unknown benchmark {name!r}; available: {', '.join(sorted(registry))}")
+    if name == SYNTHETIC:
+        from anytime.data.prompts import SYNTHETIC_EVAL_SEED
+
+        return synthetic_rows(limit or 200, SYNTHETIC_EVAL_SEED + seed, *synthetic_ops)
+    b = registry[name]
+    if data_dir is not None:
+        if b.local is None:
+            raise DataError(f"benchmark {name!r} has no local file name in {registry_path()}; add `local:`")
+        path = Path(data_dir) / b.local
+        if not path.is_file():
+            raise DataError(f"benchmark {name!r}: local file {str(path)!r} does not exist")
+        return load_rows(str(path), problem_key=b.local_problem_key or b.problem_key,
+                         answer_key=b.local_answer_key or b.answer_key, limit=limit)
+    if b.hub is None:
+        raise DataError(f"benchmark {name!r} has no hub dataset; pass --data-dir with {b.local!r}")
+    source = b.hub if b.config is None else f"{b.hub}:{b.config}"
+    return load_rows(source, split=b.split, problem_key=b.problem_key, answer_key=b.answer_key, limit=limit)

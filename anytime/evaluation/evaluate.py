@@ -1,0 +1,268 @@
+"""Score models on math benchmarks across thinking budgets (forced summary at every cut).
+
+`anytime eval --model M [--model M2] --benchmarks aime24,math500 --budgets 250:8000:250 --samples N
+--engine hf|vllm --out DIR` writes results.json, results.csv, results.md, accuracy_vs_budget.png and
+samples.jsonl (one record per model × benchmark × problem × sample, see `anytime.evaluation.records`).
+`--recipe RECIPE` takes the settings of a training recipe's in-training eval; `--model` may be a
+training checkpoint (exported on the fly); `anytime eval --rescore DIR` re-verifies DIR/samples.jsonl
+without generating and rewrites the results. The trainer's in-training eval calls `evaluate_rows` —
+the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from anytime import defaults
+from anytime.data.prompts import PromptRow, encode_prompts
+from anytime.evaluation.options import (
+    EvalOptions,
+    add_option_arguments,
+    model_folder,
+    model_max_len,
+    resolve_options,
+    summary_room,
+)
+from anytime.evaluation.records import (
+    SAMPLES_FILE,
+    Record,
+    aggregate,
+    dump_records,
+    group_records,
+    pass_at_k,
+    read_samples,
+    rescore_records,
+    sample_records,
+    write_samples,
+)
+
+__all__ = ["evaluate_rows", "pass_at_k", "rescore_dir", "write_results", "write_samples"]
+
+
+def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
+                  instruction: str = defaults.INSTRUCTION, max_prompt_len: int = 1024, batch_prompts: int = 32,
+                  seed: int = 0, probs: Sequence[float] | None = None,
+                  on_batch: Callable[[int], None] | None = None,
+                  limit_name: str = "data.max_prompt_len", records: list[Record] | None = None,
+                  tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Per-budget accuracy, anytime/final accuracy, AUC, thinking length, pass@k and verifier failures
+    (`eval_records.aggregate`) of `rows` under `runner` (an `AnytimeRolloutRunner`).
+
+    When `records` is a list, the per-sample records are appended to it, each starting with `tags`
+    (the CLI tags model and benchmark; the trainer may tag benchmark and step) — see `write_samples`.
+    """
+    budgets = list(budgets)
+    prompts = encode_prompts(tokenizer, rows, instruction, max_prompt_len, limit_name)
+    mine: list[Record] = []
+    for start in range(0, len(rows), batch_prompts):
+        chunk = rows[start:start + batch_prompts]
+        rollout = runner.run(prompts[start:start + batch_prompts], [r.answer for r in chunk], budgets,
+                             seed=seed + start)
+        mine.extend(sample_records(rollout, chunk, first_index=start, tags=tags))
+        if on_batch is not None:
+            on_batch(len(chunk))
+    if records is not None:
+        records.extend(mine)
+    return aggregate(mine, budgets, probs)
+
+
+# --- the `anytime eval` command ---------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", default=None,
+                        help="model folder, hub name or training checkpoint (step_N/); repeatable")
+    parser.add_argument("--out", default=None, help="output folder")
+    parser.add_argument("--rescore", default=None, metavar="DIR",
+                        help=f"re-verify DIR/{SAMPLES_FILE} (e.g. after a verifier fix) without generating, "
+                             "and rewrite DIR's results")
+    add_option_arguments(parser)
+    parser.add_argument("--batch-prompts", type=int, default=32)
+    parser.add_argument("--verifier-workers", type=int, default=None, help="default: all cores")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rescore is not None:
+        if args.model:
+            raise ValueError("--rescore DIR re-verifies the samples already in DIR; drop --model")
+        rescore_dir(args.rescore, num_workers=args.verifier_workers)
+        print((Path(args.rescore) / "results.md").read_text())
+        return 0
+    if not args.model or not args.out:
+        raise ValueError("give --model M (repeatable) and --out DIR, or --rescore DIR")
+    if len(set(args.model)) < len(args.model):
+        raise ValueError(f"--model given twice with the same value: {args.model}; results are keyed by model")
+    from tqdm.auto import tqdm
+
+    from anytime.data.benchmarks import load_benchmark
+    from anytime.reward.verifier import RewardScorer
+
+    opts = resolve_options(args)
+    budgets = list(opts.budgets)
+    out = Path(args.out)
+    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed)
+            for name in opts.benchmarks}
+    limits = {model: model_max_len(model) for model in args.model}  # fail before any generation
+    rooms = {model: summary_room(model, opts) for model in args.model}
+    for model, limit in limits.items():
+        extra = rooms[model]
+        if limit is not None and budgets[-1] + extra > limit:
+            raise ValueError(f"largest budget {budgets[-1]} (+{extra} summary tokens) exceeds model {model!r}'s "
+                             f"max length {limit}; lower --budgets")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"budgets": budgets, "samples": opts.samples, "temperature": opts.temperature,
+                               "seed": opts.seed, "sample_seed": opts.sampling_seed,
+                               "settings": {**dataclasses.asdict(opts), "recipe": args.recipe},
+                               "models": {}}
+    total = len(args.model) * sum(len(r) for r in data.values())
+    samples_tmp = out / (SAMPLES_FILE + ".tmp")
+    try:
+        with RewardScorer(num_workers=args.verifier_workers, header=opts.header.strip(),
+                          think_end=opts.think_end) as scorer, \
+                tqdm(total=total, desc="eval", unit="problem") as bar, samples_tmp.open("w", encoding="utf-8") as f:
+            for model in args.model:
+                max_len = opts.max_prompt_len + budgets[-1] + rooms[model]
+                max_len = min(max_len, limits[model]) if limits[model] else max_len
+                with model_folder(model, out) as folder:
+                    results["models"][model] = _evaluate_model(model, folder, max_len, opts, data, scorer, args,
+                                                               bar.update, f)
+        os.replace(samples_tmp, out / SAMPLES_FILE)
+    finally:
+        samples_tmp.unlink(missing_ok=True)  # no half-written samples file left behind
+    write_results(results, out)
+    print((out / "results.md").read_text())
+    return 0
+
+
+def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, data: Mapping[str, Sequence[PromptRow]],
+                    scorer: Any, args: argparse.Namespace, on_batch: Callable[[int], None],
+                    samples: IO[str]) -> dict[str, Any]:
+    """One model on every benchmark: results per benchmark; its records are appended to `samples`
+    as they come (a paper-size eval holds ~10^5 of them)."""
+    from transformers import AutoTokenizer
+
+    from anytime.rollout.engine import create_engine
+    from anytime.rollout.runner import AnytimeRolloutRunner
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sample_seed = opts.sampling_seed
+    per_bench = {}
+    with create_engine(opts.engine, folder, max_model_len=max_len, max_prompt_len=opts.max_prompt_len,
+                       dtype=opts.dtype, seed=sample_seed) as engine:
+        runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(sample_seed))
+        for name, rows in data.items():
+            start = time.perf_counter()
+            records: list[Record] = []
+            per_bench[name] = evaluate_rows(runner, tokenizer, rows, budgets=opts.budgets,
+                                            instruction=opts.instruction, max_prompt_len=opts.max_prompt_len,
+                                            batch_prompts=args.batch_prompts, seed=sample_seed, on_batch=on_batch,
+                                            limit_name="--max-prompt-len", records=records,
+                                            tags={"model": model, "benchmark": name})
+            per_bench[name]["seconds"] = time.perf_counter() - start
+            dump_records(records, samples)
+    return per_bench
+
+
+def rescore_dir(folder: str | Path, *, num_workers: int | None = None) -> dict[str, Any]:
+    """Re-verify every summary text of `folder/samples.jsonl` with the current verifier (same header
+    and thinking marker as the run), recompute each model × benchmark's aggregates from the records
+    and rewrite samples.jsonl and the results. Unchanged verdicts reproduce results.json exactly."""
+    from anytime.reward.verifier import RewardScorer
+
+    folder = Path(folder)
+    results_path = folder / "results.json"
+    if not results_path.is_file():
+        raise FileNotFoundError(f"{str(results_path)!r} does not exist; --rescore takes the --out folder of an "
+                                "`anytime eval` run")
+    results = json.loads(results_path.read_text())
+    records = read_samples(folder / SAMPLES_FILE)
+    groups = group_records(records)
+    expected = {(m, b) for m, per_bench in results["models"].items() for b in per_bench}
+    if set(groups) != expected:
+        raise ValueError(f"{folder / SAMPLES_FILE} holds records of {sorted(map(str, groups))} but results.json "
+                         f"has {sorted(map(str, expected))}; rescoring needs every sample of every benchmark")
+    settings = results.get("settings", {})
+    fallback = EvalOptions()
+    with RewardScorer(num_workers=num_workers, header=settings.get("header", fallback.header).strip(),
+                      think_end=settings.get("think_end", fallback.think_end)) as scorer:
+        rescored, changed = rescore_records(records, scorer)
+    for (model, bench), group in group_records(rescored).items():
+        results["models"][model][bench].update(aggregate(group, results["budgets"]))
+    write_samples(rescored, folder / SAMPLES_FILE)
+    write_results(results, folder)
+    total = sum(len(e["summaries"]) for r in records for e in r["budgets"])
+    print(f"re-verified {total} summaries of {len(records)} samples in {folder}: {changed} verdicts changed")
+    return results
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+def table_budgets(budgets: Sequence[int], at_most: int = 4) -> list[int]:
+    """A few budgets for the table: all when there are at most `at_most`, else those nearest to a
+    quarter, half, three quarters and all of the largest budget."""
+    budgets = list(budgets)
+    if len(budgets) <= at_most:
+        return budgets
+    picked = [min(budgets, key=lambda b: abs(b - budgets[-1] * (q + 1) / at_most)) for q in range(at_most)]
+    return sorted(set(picked))
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """The markdown table: anytime accuracy, AUC, accuracy at a few budgets, pass@1, length, failures."""
+    budgets = results["budgets"]
+    shown = table_budgets(budgets)
+    head = ["model", "benchmark", "anytime acc", "AUC", *(f"acc@{b}" for b in shown), "pass@1", "avg think len",
+            "failures"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, per_bench in results["models"].items():
+        for name, r in per_bench.items():
+            fails = ", ".join(f"{k}: {v}" for k, v in sorted(r["failures"].items()) if k != "correct")
+            cells = [Path(model).name or model, name, f"{r['anytime_accuracy']:.3f}", f"{r['area_under_curve']:.3f}",
+                     *(f"{r['accuracy'][budgets.index(b)]:.3f}" for b in shown), f"{r.get('pass@1', 0):.3f}",
+                     f"{r['avg_thinking_length']:.1f}", fails]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+    """results.json, results.csv (one row per model × benchmark × budget), results.md, the PNG."""
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    budgets = results["budgets"]
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "benchmark", "budget", "accuracy"])
+        for model, per_bench in results["models"].items():
+            for name, r in per_bench.items():
+                for b, a in zip(budgets, r["accuracy"]):
+                    writer.writerow([model, name, b, f"{a:.6f}"])
+    (out / "results.md").write_text(results_table(results))
+    plot_accuracy(results, out / "accuracy_vs_budget.png")
+
+
+def plot_accuracy(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for model, per_bench in results["models"].items():
+        for name, r in per_bench.items():
+            ax.plot(results["budgets"], r["accuracy"], marker="o", ms=3,
+                    label=f"{Path(model).name or model} · {name} (anytime {r['anytime_accuracy']:.3f})")
+    ax.set_xlabel("thinking budget (tokens)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("accuracy vs thinking budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

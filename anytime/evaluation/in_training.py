@@ -1,0 +1,42 @@
+"""The trainer's held-out eval, run on a rollout worker's engine: the recipe's eval settings
+(`eval.*`, through `anytime.evaluation.options.recipe_options`, the same as `anytime eval --recipe`)
+over its benchmarks. The trainer hands `evaluate_on_worker` to its rollout placement, which runs it
+where the first worker lives (in this process or in a Ray actor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anytime.data.benchmarks import load_benchmark
+from anytime.evaluation.evaluate import evaluate_rows
+from anytime.evaluation.options import EvalOptions, recipe_options
+from anytime.evaluation.records import cap_records
+from anytime.rollout.runner import AnytimeRolloutRunner
+
+
+def evaluate_on_worker(worker: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Held-out accuracy at every eval budget on the recipe's benchmarks (at `eval.temperature`),
+    and per-sample records (`anytime.evaluation.records`, tagged with the benchmark), at most
+    `eval.max_sample_records` shared fairly between the benchmarks. `worker` is a
+    `anytime.rollout.worker.RolloutWorker`."""
+    r = worker.recipe
+    ev = r.eval
+    opts = EvalOptions(**recipe_options(r))
+    runner = AnytimeRolloutRunner(worker.engine, worker.tokenizer, worker.scorer, opts.settings(r.trainer.seed))
+    result: dict[str, float] = {}
+    scores = []
+    records: list[dict[str, Any]] = []
+    for name in ev.benchmarks:
+        rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
+                              synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops))
+        out = evaluate_rows(runner, worker.tokenizer, rows, budgets=opts.budgets, instruction=opts.instruction,
+                            max_prompt_len=opts.max_prompt_len, seed=opts.sampling_seed,
+                            records=records if ev.max_sample_records else None, tags={"benchmark": name})
+        for j, b in enumerate(opts.budgets):
+            result[f"eval/{name}/acc@{b}"] = out["accuracy"][j]
+        result[f"eval/{name}/anytime"] = out["anytime_accuracy"]
+        result[f"eval/{name}/final"] = out["final_accuracy"]
+        result[f"eval/{name}/think_len"] = out["avg_thinking_length"]
+        scores.append(out["anytime_accuracy"])
+    result["eval/anytime"] = sum(scores) / max(len(scores), 1)
+    return result, cap_records(records, ev.max_sample_records)

@@ -1,0 +1,40 @@
+"""The learner a recipe names (`learner.backend`, pipelined when `learner.pipeline.stages` > 1),
+looked up in `anytime.learner`'s registries and built on this process's device."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from anytime.defaults import torch_dtype
+from anytime.learner import LEARNERS, PIPELINE_LEARNERS
+from anytime.learner.base import Learner
+from anytime.models.loading import load_model
+
+if TYPE_CHECKING:
+    from anytime.config import Recipe
+
+
+def learner_class(pipelined: bool, backend: str) -> type:
+    return (PIPELINE_LEARNERS if pipelined else LEARNERS).get(backend)
+
+
+def build_learner(recipe: Recipe, model_path: str) -> Learner:
+    """The learner a recipe asks for, on this process's device. Pipelined learners build their
+    stages from the model path; the data-parallel ones take a loaded model (and the reference
+    model, when the KL term needs one)."""
+    lc = recipe.learner
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch_dtype(recipe.model.dtype)
+    total = recipe.trainer.steps
+    pipelined = lc.pipeline.stages > 1
+    kind = learner_class(pipelined, lc.backend)
+    if pipelined:
+        return kind(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
+    model = load_model(model_path, dtype, device, recipe.model.trust_remote_code, recipe.model.gradient_checkpointing)
+    ref = None
+    if lc.reference_model:
+        ref = load_model(model_path, dtype, device, recipe.model.trust_remote_code, False).eval()
+        ref.requires_grad_(False)
+    return kind(model, lc, total, ref_model=ref)

@@ -1,0 +1,119 @@
+"""Rollout workers inside the learner processes (`rollout.placement: inprocess | colocated`):
+one worker on learner rank 0 that sends every rank its own rows, or one worker on every learner
+rank rolling out the prompts whose rows that rank trains (see `anytime.rollout.placement`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from anytime.batch.train_batch import TrainBatch
+from anytime.core.dist import (
+    all_gather_object,
+    all_gather_tensors,
+    broadcast_object,
+    max_across_ranks,
+    rank_world,
+    scatter_tensors,
+    sum_across_ranks,
+)
+from anytime.errors import RecipeError
+from anytime.rollout.placement import pin_cpus, run_worker, shares_by_rank, slowest, step_metrics
+from anytime.rollout.worker import RolloutWorker
+
+if TYPE_CHECKING:
+    from anytime.config import Recipe
+
+T = TypeVar("T")
+
+
+class InProcessRollouts:
+    """One worker on learner rank 0; every rank receives only its own rows from it."""
+
+    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
+        self.recipe, self.learner = recipe, learner
+        self.worker = RolloutWorker(recipe, model_path, tokenizer, pad_id) if rank_world()[0] == 0 else None
+
+    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        shares, metrics, timings = None, None, {}
+        if self.worker is not None:
+            batch, sums, timings = run_worker(self.worker, "0", step, prompts, golds, step)
+            shares, metrics = shares_by_rank(batch, self.learner), step_metrics([sums], self.recipe)
+        mine = TrainBatch.from_tensors(scatter_tensors(shares))
+        return mine, broadcast_object(metrics), timings
+
+    def sync_weights(self, learner: Any) -> None:
+        state = learner.full_state_dict()  # collective; complete on rank 0
+        if self.worker is not None:
+            self.worker.update_weights(state.items())
+
+    def on_first_worker(self, fn: Callable[[RolloutWorker], T]) -> T:
+        return broadcast_object(self.worker.apply(fn) if self.worker is not None else None)
+
+    def sleep(self) -> None:
+        if self.worker is not None:
+            self.worker.sleep()
+
+    def wake_up(self) -> None:
+        if self.worker is not None:
+            self.worker.wake_up()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+class ColocatedRollouts(InProcessRollouts):
+    """A worker on every learner rank, rolling out the prompts whose rows that rank trains."""
+
+    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
+        rank, world = rank_world()
+        if recipe.rollout.prompts_per_step < world:
+            raise RecipeError(f"`rollout.placement: colocated` gives each of the {world} learner processes a share of "
+                              f"`rollout.prompts_per_step` ({recipe.rollout.prompts_per_step}); raise it to >= {world}")
+        self.recipe, self.learner = recipe, learner
+        self.dp = learner.dp_ranks[rank]
+        # the ranks of this replica (pipeline stages) split its prompts and exchange their rows
+        self.peers = [r for r in range(world) if learner.dp_ranks[r] == self.dp]
+        self.group = None
+        if len(self.peers) > 1:
+            for d in sorted(set(learner.dp_ranks)):  # every rank creates every group, in one order
+                group = dist.new_group([r for r in range(world) if learner.dp_ranks[r] == d])
+                if d == self.dp:
+                    self.group = group
+        if recipe.rollout.pin_cpus and not torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            pin_cpus(local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        self.worker = RolloutWorker(recipe, model_path, tokenizer, pad_id)
+
+    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        n, rank = len(prompts), rank_world()[0]
+        replica = [i for i in range(n) if i % self.learner.dp_size == self.dp]
+        mine = replica[self.peers.index(rank)::len(self.peers)]
+        batch, sums, timings = run_worker(self.worker, f"{rank} (on learner rank {rank})", step,
+                                           [prompts[i] for i in mine], [golds[i] for i in mine], step,
+                                           prompt_index=mine, num_prompts=n)
+        # the step's per-prompt facts, the same on every rank (as one worker would have counted them)
+        tokens = torch.tensor(sum_across_ranks(batch.tokens_per_prompt.tolist()), dtype=batch.tokens_per_prompt.dtype)
+        sequences = torch.tensor(sum_across_ranks(batch.sequences_per_prompt.tolist()),
+                                 dtype=batch.sequences_per_prompt.dtype)
+        max_len = max_across_ranks(batch.max_len)
+        if self.group is not None:
+            batch = TrainBatch.concat([TrainBatch.from_tensors(t) for t in
+                                       all_gather_tensors(batch.to_tensors(), self.group)])
+        batch = replace(batch, tokens_per_prompt=tokens, sequences_per_prompt=sequences, max_len=max_len)
+        per_worker = all_gather_object((sums, timings))
+        return batch, step_metrics([s for s, _ in per_worker], self.recipe), slowest([t for _, t in per_worker])
+
+    def sync_weights(self, learner: Any) -> None:
+        self.worker.update_weights(learner.full_state_dict(all_ranks=True).items())
+
+    def on_first_worker(self, fn: Callable[[RolloutWorker], T]) -> T:
+        return broadcast_object(self.worker.apply(fn) if rank_world()[0] == 0 else None)

@@ -1,0 +1,183 @@
+"""The anytime rollout, engine-agnostic: thinking traces → budget cuts → prefix-shared summaries →
+verified scores (paper §1).
+
+For each prompt, G traces stop at the tokenizer's `</think>` (or EOS) or at the largest budget. Each
+trace is cut at every budget b_j; the summary prompt of a cut is prompt + thinking[:b_j] + close
+tokens (only when the trace was really cut) + answer-header tokens. Budgets past a trace's natural
+end share one summary prompt (one prefix group). A summaries per budget are sampled through
+`engine.generate_anytime`, so engines reuse the trace's prefix (and, where the engine streams, start
+as soon as their trace ends), and scored by the verifier.
+
+The engine's `Completion`s and the verifier's `Verdict`s are turned into one `AnytimeRollout`
+(`anytime.batch.anytime_rollout`); `anytime.batch.packing` turns that into a `TrainBatch`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from anytime.algo.budget import validate_grid
+from anytime.batch.anytime_rollout import AnytimeRollout, eos_zeroed, padded
+from anytime.reward.verifier import REASONS, RewardScorer, Verdict
+from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig
+from anytime.rollout.seeding import request_seeds
+from anytime.rollout.settings import AnytimeSettings
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def token_id_of(tokenizer: Any, text: str) -> int:
+    """The single token id of a marker such as `</think>`; an error if it is not one token."""
+    ids = encode_text(tokenizer, text)
+    if len(ids) != 1:
+        raise ValueError(f"{text!r} is {len(ids)} tokens for this tokenizer; the thinking end marker must be one "
+                         "token (set summary.think_end to the model's own marker)")
+    return ids[0]
+
+
+class AnytimeRolloutRunner:
+    """Runs anytime rollouts for batches of prompts on one engine with one verifier."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, scorer: RewardScorer, settings: AnytimeSettings):
+        self.engine, self.tokenizer, self.scorer, self.settings = engine, tokenizer, scorer, settings
+        self.think_end_id = token_id_of(tokenizer, settings.think_end)
+        self.close_ids = encode_text(tokenizer, settings.close_text)
+        self.header_ids = encode_text(tokenizer, settings.header)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
+        validate_grid(settings.budgets)
+        self._check_lengths(settings.budgets)
+
+    @property
+    def inserted_max(self) -> int:
+        """The most tokens ever inserted between a cut and its summary (close + header)."""
+        return len(self.close_ids) + len(self.header_ids)
+
+    def _check_lengths(self, budgets: Sequence[int]) -> None:
+        extra = self.inserted_max + self.settings.summary_max_tokens
+        limit = self.engine.max_model_len
+        if budgets[-1] + extra >= limit:
+            raise ValueError(f"the largest budget {budgets[-1]} plus {extra} summary tokens does not fit the engine's "
+                             f"max model length {limit}; lower the budgets or raise rollout.max_model_len")
+
+    def summary_plan(self, length: int, natural_end: bool, eos_end: bool,
+                     budgets: Sequence[int]) -> tuple[list[Branch], list[int]]:
+        """The branch (cut + inserted tokens) of every budget for a trace of `length` tokens, and
+        its prefix-group id.
+
+        A trace that stopped on EOS is really cut at every budget below its length (scored as
+        usual); the budgets at or past the EOS score 0 (`eos_zeroed`) and form their own group,
+        even though their summary prompt (the trace without its EOS) equals the last real cut's."""
+        content = length - (1 if eos_end else 0)
+        branches: list[Branch] = []
+        groups: list[int] = []
+        seen: dict[tuple[Branch, bool], int] = {}
+        for b in budgets:
+            if natural_end and length <= b:
+                branch = Branch(length, tuple(self.header_ids))
+            else:
+                branch = Branch(min(b, content), tuple(self.close_ids + self.header_ids))
+            groups.append(seen.setdefault((branch, eos_zeroed(eos_end, length, b)), len(seen)))
+            branches.append(branch)
+        return branches, groups
+
+    def summary_text(self, own_close: bool, branch: Branch, summary_ids: Sequence[int]) -> str:
+        """What the verifier reads: everything after the thinking, from its one `</think>` on (the
+        model's own closing token when `own_close`, i.e. the trace ended by itself before the cut,
+        else the forced close) to the summary."""
+        ids = [t for t in summary_ids if t not in self.eos_ids]
+        head = [self.think_end_id] if own_close else []
+        return self.tokenizer.decode(head + list(branch.suffix) + ids, skip_special_tokens=False)
+
+    def run(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], budgets: Sequence[int] | None = None,
+            seed: int | None = None, prompt_index: Sequence[int] | None = None) -> AnytimeRollout:
+        """`prompt_index`: each prompt's index in the whole step (default 0..B-1). Every sampled
+        sequence is seeded from it, so a prompt samples the same traces and summaries whichever worker
+        rolls it out and whatever else that worker serves."""
+        s = self.settings
+        budgets = list(s.budgets if budgets is None else budgets)
+        validate_grid(budgets)
+        self._check_lengths(budgets)
+        if len(prompts) != len(golds):
+            raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold answers")
+        seed = s.seed if seed is None else seed
+        B, G, S, A = len(prompts), s.traces_per_prompt, len(budgets), s.summaries_per_budget
+        index = list(range(B)) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(index) != B:
+            raise ValueError(f"{len(index)} prompt indices for {B} prompts")
+        timings: dict[str, float] = {}
+
+        plans: list[tuple[list[Branch], list[int]]] = [([], [])] * (B * G)
+        natural, eos = [False] * (B * G), [False] * (B * G)
+
+        def plan(k: int, trace: Completion) -> list[Branch]:
+            """Trace k's summary branches, asked for by the engine as soon as the trace ends."""
+            ids = trace.token_ids
+            natural[k] = bool(ids) and ids[-1] == self.think_end_id
+            eos[k] = bool(ids) and ids[-1] in self.eos_ids
+            plans[k] = self.summary_plan(len(ids), natural[k], eos[k], budgets)
+            offset = len(prompts[k // G])
+            return [Branch(offset + br.cut, br.suffix) for br in plans[k][0]]
+
+        out = self.engine.generate_anytime(
+            prompts,
+            SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature, top_p=s.top_p,
+                           stop_token_ids=(self.think_end_id, *self.eos_ids), request_seeds=request_seeds(seed, index)),
+            plan,
+            SamplingConfig(max_new_tokens=s.summary_max_tokens, n=A, temperature=s.summary_temperature,
+                           top_p=s.top_p, stop_token_ids=self.eos_ids,
+                           request_seeds=request_seeds(seed + 1, [(p * G + g) * S + j for p in index
+                                                                  for g in range(G) for j in range(S)])))
+        # Streamed summaries overlap the thinking: `gen` runs to the end of the last trace and
+        # `summaries` counts only the summary time after it (all of it when the engine runs phases).
+        timings["gen"] = out.thinking_s
+        timings["summaries"] = out.total_s - out.thinking_s
+        traces = [c for per_prompt in out.traces for c in per_prompt]            # [B·G]
+        sampled = out.summaries
+
+        texts, gold_list, summaries = [], [], []
+        for k, ((branches, _), per_branch) in enumerate(zip(plans, sampled)):
+            length = len(traces[k].token_ids)
+            for branch, completions in zip(branches, per_branch):
+                for comp in completions:
+                    texts.append(self.summary_text(natural[k] and branch.cut == length, branch, comp.token_ids))
+                    gold_list.append(golds[k // G])
+                    summaries.append(comp)
+        start = time.perf_counter()
+        verdicts = self.scorer.score(texts, gold_list)
+        timings["reward"] = time.perf_counter() - start
+        # EOS inside the thinking scores 0 at the budgets at or past it (the official code's rule).
+        per_trace = S * A
+        for i, verdict in enumerate(verdicts):
+            k, j = divmod(i // A, S)
+            if eos_zeroed(eos[k], len(traces[k].token_ids), budgets[j]):
+                verdicts[i] = Verdict(0.0, "bad_format", verdict.parsed)
+        assert len(verdicts) == B * G * per_trace
+
+        cuts = [br.cut for branches, _ in plans for br in branches]
+        return AnytimeRollout(
+            budgets=budgets, golds=list(golds),
+            prompt_ids=padded(prompts, torch.long, (B,)),
+            prompt_len=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+            think_ids=padded([c.token_ids for c in traces], torch.long, (B, G)),
+            think_logprobs=padded([c.logprobs for c in traces], torch.float32, (B, G)),
+            think_len=torch.tensor([len(c.token_ids) for c in traces], dtype=torch.long).view(B, G),
+            natural_end=torch.tensor(natural, dtype=torch.bool).view(B, G),
+            eos_end=torch.tensor(eos, dtype=torch.bool).view(B, G),
+            cut=torch.tensor(cuts, dtype=torch.long).view(B, G, S),
+            forced_close=torch.tensor([len(br.suffix) > len(self.header_ids) for bs, _ in plans for br in bs],
+                                      dtype=torch.bool).view(B, G, S),
+            prefix_group=torch.tensor([plan[1] for plan in plans], dtype=torch.long).view(B, G, S),
+            summary_ids=padded([c.token_ids for c in summaries], torch.long, (B, G, S, A)),
+            summary_logprobs=padded([c.logprobs for c in summaries], torch.float32, (B, G, S, A)),
+            summary_len=torch.tensor([len(c.token_ids) for c in summaries], dtype=torch.long).view(B, G, S, A),
+            scores=torch.tensor([v.score for v in verdicts], dtype=torch.float32).view(B, G, S, A),
+            reasons=torch.tensor([REASONS.index(v.reason) for v in verdicts], dtype=torch.long).view(B, G, S, A),
+            answers=[v.parsed for v in verdicts], texts=texts,
+            close_ids=tuple(self.close_ids), header_ids=tuple(self.header_ids), timings=timings)

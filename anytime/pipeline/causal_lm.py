@@ -30,7 +30,9 @@ from anytime.pipeline.schedule import Schedule
 
 # Loss statistics summed over microbatches (the token-weighted ones divided by tokens at the end);
 # they ride on the post-validation all-reduce, so their order is fixed.
-_EXTRAS = ("loss", "tokens", *WEIGHTED_STATS)
+# The reference-model KL is not among them: the pipelined learner takes no reference model.
+_WEIGHTED = tuple(k for k in WEIGHTED_STATS if k != "kl_ref")
+_EXTRAS = ("loss", "tokens", *_WEIGHTED)
 
 
 def _field(batch, name: str, required: bool = True):
@@ -317,7 +319,7 @@ class PipelinedCausalLM:
                                          self._boundary(b), stage_kwargs=self._kwargs(b, last))
         outputs = stats.outputs.values()
         tokens = sum(o["tokens"] for o in outputs)
-        weighted = {k: sum(o.get(k, 0.0) for o in outputs) for k in WEIGHTED_STATS}
+        weighted = {k: sum(o.get(k, 0.0) for o in outputs) for k in _WEIGHTED}
         self._pending_metrics = {"loss": sum(stats.losses), "tokens": tokens, **weighted}
         # `sums`: this rank's loss and token-weighted statistics (non-zero on the last stage only)
         return {"loss": sum(stats.losses) if stats.losses else None, "step_time": stats.wall,
@@ -344,7 +346,7 @@ class PipelinedCausalLM:
         tokens = sums["tokens"]
         self.last_metrics = {"loss": sums["loss"], "grad_norm": v.grad_norm, "clipped": v.clipped,
                              "skipped": v.skipped, "rolled_back": v.rolled_back, "tokens": tokens,
-                             **{k: sums[k] / max(tokens, 1.0) for k in WEIGHTED_STATS}}
+                             **{k: sums[k] / max(tokens, 1.0) for k in _WEIGHTED}}
         return self.last_metrics
 
     def train_step(self, batch, *, wait: bool = True, loss_kwargs: Mapping | None = None,

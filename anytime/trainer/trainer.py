@@ -2,7 +2,7 @@
 timers under stable names (`gen`, `summaries`, `reward`, `adv`, `scatter`, `logprob`, `update`,
 `sync`, `eval`, `save`).
 
-A prompt becomes a gradient step through these containers (docs/architecture.md draws them):
+A prompt becomes a gradient step through these containers (the README lists them too):
 1. `PromptRow` (`anytime.data.prompts`): problem and gold answer, encoded to a prompt's token ids;
 2. `Completion` (`anytime.rollout.engine`): one sampled continuation (thinking trace or summary) as
    the engine returns it, requested as `Branch`es of a trace (`AnytimeGeneration` when streamed);

@@ -103,7 +103,8 @@ def test_registry_trace_level_estimators_use_the_prior_weighted_return():
     probs = [0.0, 0.0, 0.0, 1.0]
     adv = thinking_advantages("dr_grpo", R_EXAMPLE, probs)
     assert torch.allclose(adv, torch.tensor([[.375] * 4, [-.375] * 4], dtype=torch.float64))
-    assert set(THINKING_ESTIMATORS) == {"brpo", "grpo", "dr_grpo", "rloo"}
+    for name in THINKING_ESTIMATORS.names():   # every registered estimator: [B, G, S] in, [B, G, S] out
+        assert thinking_advantages(name, R_EXAMPLE[None], UNIFORM).shape == (1, *R_EXAMPLE.shape)
     assert torch.allclose(thinking_advantages("brpo", R_EXAMPLE, UNIFORM, variant="v2only"),
                           brpo_advantages(R_EXAMPLE, UNIFORM, variant="v2only"))
     with pytest.raises(ValueError, match="must be one of"):

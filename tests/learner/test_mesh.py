@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_pipeline_learner import _max_diff, _model_dir, _train_batch, first_step_equals_the_flat_one
-from test_pipeline_learner import _reference as pipeline_reference
 
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig
+from tests.learner.test_pipeline_learner import _max_diff, _model_dir, _train_batch, first_step_equals_the_flat_one
+from tests.learner.test_pipeline_learner import _reference as pipeline_reference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -327,10 +327,9 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
 def test_anytime_train_with_deepspeed_on_a_two_by_two_mesh(tmp_path):
     """`anytime train` itself: 4 processes = 2 stages × 2 replicas, DeepSpeed ZeRO-1 per stage; its first
     update equals the single-process torch learner's on the same rollout (float32 rounding)."""
-    from test_trainer import QUICKSTART, read_metrics, tiny_overrides
-
     from anytime.learner import checkpoint as ckpt
     from anytime.trainer.launch import launch_train
+    from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_packing import assert_same_step
 
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig, RecipeError, load_recipe
+from tests.batch.test_packing import assert_same_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -195,10 +195,10 @@ PACKED_CASES = [("zb-h1", 4, "seq-mean-token-mean"), ("1f1b", 2, "constant"), ("
 
 
 def _packed_worker(rank: int, world: int, init_file: str, out_dir: str, model_dir: str) -> None:
-    from test_packing import exact_norms, one_step, step_configs
     from transformers import AutoModelForCausalLM
 
     from anytime.learner.pipeline_learner import PipelineLearner
+    from tests.batch.test_packing import exact_norms, one_step, step_configs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -221,7 +221,7 @@ def test_pipelined_packed_step_equals_the_row_per_summary_step(tiny_model_dir, t
     """Tree-packed rows of a real rollout on 2 pipeline ranks: the old log-probs, loss, every
     gradient and the updated weights of one step equal the torch learner's on the row-per-summary
     layout (fp64, exact norms, <= 1e-10)."""
-    from test_packing import layouts, real_rollout, stopping_model, torch_step
+    from tests.batch.test_packing import layouts, real_rollout, stopping_model, torch_step
 
     model_dir = stopping_model(tiny_model_dir, tmp_path / "model")
     rows, packed = layouts(real_rollout(model_dir))
@@ -291,10 +291,9 @@ def test_recipe_checks_for_the_pipelined_learner():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
-    from test_trainer import read_metrics, tiny_overrides
-
     from anytime.learner import checkpoint as ckpt
     from anytime.trainer.launch import launch_train
+    from tests.helpers import read_metrics, tiny_overrides
 
     out = tmp_path / "run"
     overrides = tiny_overrides(out, steps=2) + ["learner.pipeline.stages=2", "learner.pipeline.schedule=zb-h1",
@@ -324,9 +323,8 @@ def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
 def first_step_equals_the_flat_one(tmp_path: Path, metrics: dict, extra: tuple[str, ...] = ()) -> Path:
     """The same first step unpipelined (one process, same rollout): the same update up to float32
     rounding. Returns the flat run's folder."""
-    from test_trainer import read_metrics, tiny_overrides
-
     from anytime.trainer.launch import launch_train
+    from tests.helpers import read_metrics, tiny_overrides
 
     flat = tmp_path / "flat"
     assert launch_train(QUICKSTART, tiny_overrides(flat, steps=1) + ["model.dtype=float32", *extra]) == 0

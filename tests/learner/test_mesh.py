@@ -266,7 +266,7 @@ def _dropped_gradient(rank: int, out_dir: str, dirs: dict, case: dict) -> None:
         batch = _train_batch().shard(learner.mesh.replica, learner.dp_size)
         batch.old_logprobs = learner.logprobs(batch)
         mini = next(iter(batch.mini_batches(len(batch.tokens_per_prompt), learner.mesh.replica, learner.dp_size)))
-        spec = loss_spec(algo, mini, batch, learner.dp_ranks)
+        spec = loss_spec(algo, mini, batch)
         if drop_first:
             learner.forward_backward(mini.batch, spec)
             learner.zero_grad()

@@ -169,11 +169,13 @@ dr_grpo_thinking = _trace_level(lambda r: grpo_advantages(r, scale_by_std=False)
 rloo_thinking = _trace_level(rloo_advantages)
 
 
-def thinking_advantages(name: str, scores: torch.Tensor, probs: Sequence[float] | torch.Tensor, **kwargs: object) -> torch.Tensor:
+def thinking_advantages(name: str, scores: torch.Tensor, probs: Sequence[float] | torch.Tensor,
+                        **kwargs: object) -> torch.Tensor:
     """The thinking advantages of the estimator registered as `name` (`anytime.algo.THINKING_ESTIMATORS`)."""
     return THINKING_ESTIMATORS.get(name)(scores, probs, **kwargs)
 
 
-def summary_advantages_by_name(name: str, scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
+def summary_advantages_by_name(name: str, scores: torch.Tensor,
+                               prefix_group: torch.Tensor | None = None) -> torch.Tensor:
     """The summary advantages of the estimator registered as `name` (`anytime.algo.SUMMARY_ESTIMATORS`)."""
     return SUMMARY_ESTIMATORS.get(name)(scores, prefix_group)

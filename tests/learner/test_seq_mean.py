@@ -26,7 +26,8 @@ def _rollout(seed: int) -> AnytimeRollout:
     cut = torch.minimum(torch.tensor(BUDGETS).view(1, 1, S), lengths[..., None])
     return AnytimeRollout(
         budgets=BUDGETS, golds=["1"] * B, prompt_ids=torch.tensor([[1, 2, 3]] * B), prompt_len=torch.full((B,), 3),
-        think_ids=padded(think, torch.long, (B, G)), think_logprobs=padded([[-0.1] * len(t) for t in think], torch.float32, (B, G)),
+        think_ids=padded(think, torch.long, (B, G)),
+        think_logprobs=padded([[-0.1] * len(t) for t in think], torch.float32, (B, G)),
         think_len=lengths, natural_end=torch.ones(B, G, dtype=torch.bool), eos_end=torch.zeros(B, G, dtype=torch.bool),
         cut=cut, forced_close=cut < lengths[..., None], prefix_group=torch.arange(S).expand(B, G, S).clone(),
         summary_ids=padded(summaries, torch.long, (B, G, S, A)),

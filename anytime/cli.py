@@ -15,13 +15,18 @@ from anytime.config import RecipeError
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
+    parser.add_argument("recipe", help="YAML recipe (see recipes/; every key: docs/recipes.md)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 budget.prior=uniform")
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from anytime.config import load_recipe
+    from anytime.config import load_recipe, recipe_reference
 
+    if args.reference:
+        print(recipe_reference(), end="")
+        return 0
+    if args.recipe is None:
+        raise RecipeError("give a recipe (e.g. recipes/quickstart.yaml) or --reference")
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.to_yaml(), end="")
     grid = recipe.budget.grid()
@@ -62,8 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("config", help="print a recipe fully resolved (defaults + file + overrides)")
-    _add_recipe_args(p)
+    p = sub.add_parser("config", help="print a recipe fully resolved (defaults + file + overrides)",
+                       epilog="Every recipe key, its type, default, allowed values and meaning: docs/recipes.md "
+                              "(`anytime config --reference` prints it).")
+    p.add_argument("recipe", nargs="?", default=None, help="YAML recipe (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 budget.prior=uniform")
+    p.add_argument("--reference", action="store_true", help="print the reference of every recipe key (markdown)")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("train", help="run a recipe: optional SFT warm start, then anytime RL")
@@ -94,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         schedule_command.add_arguments(p)
         p.set_defaults(func=_cmd_schedule)
 
-    for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.learner.export")):
+    for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.learner.export"),
+                         ("doctor", "anytime.doctor")):
         try:
             mod = __import__(module, fromlist=["add_arguments"])
         except ImportError:

@@ -8,7 +8,7 @@ prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,75 +24,82 @@ from anytime.algo import (
     VARIANCE_REDUCTIONS,
 )
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
-from anytime.core.schema import build
+from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
 from anytime.learner import LEARNERS, LR_SCHEDULES
 from anytime.pipeline import SCHEDULES
 from anytime.registry import Choice
 from anytime.rollout import ENGINES, PLACEMENTS
 
-__all__ = ["Recipe", "RecipeError", "load_recipe"]
+__all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_reference"]
 
 
 @dataclass
 class ModelConfig:
-    path: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"   # hub name or local folder
-    dtype: Annotated[str, Choice(defaults.DTYPES)] = "bfloat16"
-    trust_remote_code: bool = False
-    # Build a random tiny model at `path` first when the folder does not exist (CPU quickstart).
-    tiny: bool = False
-    tiny_hidden_size: int = 128
-    tiny_layers: int = 2
-    tiny_heads: int = 2
-    tiny_kv_heads: int = 1   # key/value heads (grouped-query attention when fewer than tiny_heads)
-    gradient_checkpointing: bool = False
+    path: str = opt(
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub name or local folder of the policy to train (a tiny model "
+                                                     "is built there when `tiny` is on)")
+    dtype: Annotated[str, Choice(defaults.DTYPES)] = opt(
+        "bfloat16", "weights and compute dtype of the learner and the engine")
+    trust_remote_code: bool = opt(False, "let transformers run the model repository's own code")
+    tiny: bool = opt(False, "build a random tiny model at `path` first when the folder does not exist (CPU quickstart)")
+    tiny_hidden_size: int = opt(128, "tiny model: hidden width")
+    tiny_layers: int = opt(2, "tiny model: decoder layers")
+    tiny_heads: int = opt(2, "tiny model: attention heads")
+    tiny_kv_heads: int = opt(1, "tiny model: key/value heads (grouped-query attention when fewer than tiny_heads)")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass (less memory, more compute)")
 
 
 @dataclass
 class DataConfig:
-    train: str = "agentica-org/DeepScaleR-Preview-Dataset"  # hub name, local json/jsonl/parquet, or "synthetic"
-    split: str = "train"
-    problem_key: str = "problem"
-    answer_key: str = "answer"
-    instruction: str = defaults.INSTRUCTION
-    max_prompt_len: int = 1024
-    shuffle: bool = True
-    limit: int | None = None          # use only the first N rows (after shuffling)
-    synthetic_size: int = 4000        # rows of the synthetic task (data.train: synthetic)
-    synthetic_min_ops: int = 3
-    synthetic_max_ops: int = 6
-    synthetic_filler: float = 0.5     # chance of a filler line before each step in the SFT traces
-    synthetic_whole_sums: bool = False  # SFT trace lines write whole sums (8+5=13), not last digits (8+5=3)
+    train: str = opt(
+        "agentica-org/DeepScaleR-Preview-Dataset", "training prompts: a hub name, a local json/jsonl/parquet file, "
+                                                   "or \"synthetic\"")
+    split: str = opt("train", "split of a hub dataset")
+    problem_key: str = opt("problem", "field of each training row holding the problem text")
+    answer_key: str = opt("answer", "field of each training row holding the gold answer")
+    instruction: str = opt(defaults.INSTRUCTION, "appended to every problem in the prompt")
+    max_prompt_len: int = opt(1024, "longest prompt in tokens; a longer one is an error naming it")
+    shuffle: bool = opt(True, "shuffle the training rows (by `trainer.seed`)")
+    limit: int | None = opt(None, "use only the first N rows (after shuffling)")
+    synthetic_size: int = opt(4000, "rows of the synthetic task (data.train: synthetic)")
+    synthetic_min_ops: int = opt(3, "synthetic task: fewest additions in a problem")
+    synthetic_max_ops: int = opt(6, "synthetic task: most additions in a problem")
+    synthetic_filler: float = opt(0.5, "chance of a filler line before each step in the warm-start traces")
+    synthetic_whole_sums: bool = opt(False, "warm-start trace lines write whole sums (8+5=13), not last digits (8+5=3)")
 
 
 @dataclass
 class RolloutConfig:
-    engine: Annotated[str, Choice(ENGINES)] = "vllm"
-    n: int = 8                          # G thinking traces per prompt
-    prompts_per_step: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_model_len: int | None = None    # default: prompt + thinking + summary
-    gpu_memory_utilization: float = 0.6
-    enable_sleep: bool = False           # engine sleeps during the learner update, wakes for the weight sync (GPU)
-    # Where rollouts run: inprocess (one worker on learner rank 0), colocated (a worker on every learner
-    # rank), ray (`workers` Ray actors); auto = inprocess with one learner process, else colocated.
-    placement: Annotated[str, Choice(PLACEMENTS, "auto")] = "auto"
-    workers: int = 1                     # Ray actors (placement: ray)
-    ray_cpus_per_worker: float = 1.0
-    ray_gpus_per_worker: float | None = None   # null: 1 when CUDA is available, else 0
-    # Weights to Ray actors: through Ray's object store, or NCCL from learner rank 0 (GPU; auto picks it there)
-    weight_sync: Literal["auto", "object_store", "nccl"] = "auto"
-    pin_cpus: bool = True                # CPU engines: each worker takes its own share of the cores
+    engine: Annotated[str, Choice(ENGINES)] = opt("vllm", "the generator of traces and summaries: vLLM or transformers")
+    n: int = opt(8, "G: thinking traces per prompt")
+    prompts_per_step: int = opt(64, "prompts rolled out per training step")
+    temperature: float = opt(1.0, "sampling temperature of the thinking traces")
+    top_p: float = opt(1.0, "nucleus sampling of the thinking traces (1 = off)")
+    max_model_len: int | None = opt(None, "engine context; null = longest prompt + thinking + inserted + summary")
+    gpu_memory_utilization: float = opt(0.6, "vLLM on a GPU: share of the GPU memory the engine may take")
+    enable_sleep: bool = opt(False, "GPU: the engine sleeps during the learner update and wakes for the weight sync")
+    placement: Annotated[str, Choice(PLACEMENTS, "auto")] = opt(
+        "auto", "where rollout workers run: inprocess (learner rank 0), colocated (every learner rank), ray; auto = "
+                "inprocess with one learner process, else colocated")
+    workers: int = opt(1, "Ray rollout actors (placement: ray)")
+    ray_cpus_per_worker: float = opt(1.0, "CPUs each Ray rollout actor reserves")
+    ray_gpus_per_worker: float | None = opt(
+        None, "GPUs each Ray rollout actor reserves; null = 1 when CUDA is available, else 0")
+    weight_sync: Literal["auto", "object_store", "nccl"] = opt(
+        "auto", "how new weights reach Ray actors: Ray's object store, or NCCL from learner rank 0 (GPU; auto picks "
+                "it there)")
+    pin_cpus: bool = opt(True, "CPU engines: each worker takes its own share of the cores")
 
 
 @dataclass
 class BudgetConfig:
-    max_thinking: int = 8000
-    num_budgets: int = 4                # evenly spaced up to max_thinking, unless `budgets` is given
-    budgets: list[int] | None = None
-    prior: Annotated[str, Choice(BUDGET_PRIORS)] = "linear"
-    probs: list[float] | None = None    # for prior: explicit
+    max_thinking: int = opt(8000, "largest thinking budget in tokens: traces stop here")
+    num_budgets: int = opt(4, "budgets evenly spaced up to max_thinking, unless `budgets` is given")
+    budgets: list[int] | None = opt(None, "explicit budget grid (increasing, ending at or below max_thinking)")
+    prior: Annotated[str, Choice(BUDGET_PRIORS)] = opt(
+        "linear", "the prior over the budgets that weights their rewards")
+    probs: list[float] | None = opt(None, "one probability per budget, for prior: explicit")
 
     def grid(self) -> list[int]:
         return list(self.budgets) if self.budgets is not None else even_grid(self.max_thinking, self.num_budgets)
@@ -103,44 +110,49 @@ class BudgetConfig:
 
 @dataclass
 class SummaryConfig:
-    n: int = 4                          # A summaries per budget
-    max_tokens: int = defaults.SUMMARY_MAX_TOKENS   # paper: 128 minus the ~10 inserted tokens
-    close_text: str = defaults.CLOSE_TEXT
-    header: str = defaults.HEADER
-    think_end: str = defaults.THINK_END
-    temperature: float = 1.0
-    estimator: Annotated[str, Choice(SUMMARY_ESTIMATORS)] = "brpo"
-    loss_weight: float = 1.0
+    n: int = opt(4, "A: summaries per budget")
+    max_tokens: int = opt(defaults.SUMMARY_MAX_TOKENS, "longest summary (the paper: 128 minus the ~10 inserted tokens)")
+    close_text: str = opt(defaults.CLOSE_TEXT, "inserted after a thinking trace cut at a budget (never trained)")
+    header: str = opt(defaults.HEADER, "the answer header after the thinking; the verifier reads the answer below it")
+    think_end: str = opt(defaults.THINK_END, "the model's end-of-thinking marker (one token)")
+    temperature: float = opt(1.0, "sampling temperature of the summaries")
+    estimator: Annotated[str, Choice(SUMMARY_ESTIMATORS)] = opt(
+        "brpo", "summary advantages: brpo (each cut's own baseline) or grpo (the last budget only)")
+    loss_weight: float = opt(1.0, "weight of the summary tokens' loss")
 
 
 @dataclass
 class AlgorithmConfig:
-    estimator: Annotated[str, Choice(THINKING_ESTIMATORS)] = "brpo"
-    variance_reduction: Annotated[str, Choice(VARIANCE_REDUCTIONS)] = "brpo"
-    decay: float = 0.5                  # λ of V1
-    thinking_loss_weight: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    loss_agg: Annotated[str, Choice(LOSS_AGGREGATIONS)] = "constant"
+    estimator: Annotated[str, Choice(THINKING_ESTIMATORS)] = opt("brpo", "advantages of the thinking tokens")
+    variance_reduction: Annotated[str, Choice(VARIANCE_REDUCTIONS)] = opt(
+        "brpo", "BRPO's baseline: the paper's mix (brpo), one of its parts, or none")
+    decay: float = opt(0.5, "λ of BRPO's progress baseline V1")
+    thinking_loss_weight: float = opt(1.0, "weight of the thinking tokens' loss")
+    clip_low: float = opt(0.2, "PPO clip below: ratio ≥ 1 − clip_low")
+    clip_high: float = opt(0.2, "PPO clip above: ratio ≤ 1 + clip_high (clip-higher when larger)")
+    loss_agg: Annotated[str, Choice(LOSS_AGGREGATIONS)] = opt(
+        "constant", "loss normaliser: token-mean (DAPO), seq-mean-token-mean (GRPO), constant (Dr.GRPO, the paper)")
     # Width of the `constant` normaliser (loss = Σ token terms / (traces × width)). The official
     # code uses its max_response_length, fixed per recipe: 10176 = 8000 + 16 × 136 for the 8k runs.
     # null derives it from each batch: largest budget + S·A·(inserted + summary tokens).
-    loss_norm_length: int | None = None
-    kl_coef: float = 0.0
-    kl_type: Annotated[str, Choice(KL_ESTIMATORS)] = "k3"
-    entropy_coef: float = 0.0
+    loss_norm_length: int | None = opt(
+        None, "width of the `constant` normaliser (the official code's max_response_length); null = largest budget + "
+              "S·A·(inserted + summary tokens)")
+    kl_coef: float = opt(0.0, "weight of the KL to the reference model (needs learner.reference_model)")
+    kl_type: Annotated[str, Choice(KL_ESTIMATORS)] = opt("k3", "per-token KL estimator")
+    entropy_coef: float = opt(0.0, "weight of the entropy bonus")
 
 
 @dataclass
 class PipelineConfig:
-    stages: int = 1                     # pipeline ranks = learner processes; 1 = no pipeline
-    schedule: Annotated[str, Choice(SCHEDULES)] = "zb-h1"
-    microbatches: int = 8               # per PPO mini-batch (its rows are padded to a multiple)
-    chunks: int | None = None           # model chunks per rank (V / interleaved); None = the schedule's default
-    offload_chunks: list[int] = field(default_factory=list)   # chunks whose activations go to host memory
-    # Speculative optimizer step, clip/inf checked afterwards (post-validation); null = the backend's
-    # default: on for torch, off (the blocking step) for DeepSpeed.
-    post_validate: bool | None = None
+    stages: int = opt(1, "pipeline stages (1 = no pipeline)")
+    schedule: Annotated[str, Choice(SCHEDULES)] = opt(
+        "zb-h1", "the pipeline schedule (docs/pipeline.md says which when)")
+    microbatches: int = opt(8, "pipeline microbatches per PPO mini-batch (its rows are padded to a multiple)")
+    chunks: int | None = opt(None, "model chunks per rank (V and interleaved schedules); null = the schedule's default")
+    offload_chunks: list[int] = opt(factory=list, doc="chunks whose activations go to host memory")
+    post_validate: bool | None = opt(
+        None, "speculative optimizer step checked afterwards; null = on for torch, off for DeepSpeed")
 
     def post_validating(self, backend: str) -> bool:
         return self.post_validate if self.post_validate is not None else backend == "torch"
@@ -148,24 +160,25 @@ class PipelineConfig:
 
 @dataclass
 class LearnerConfig:
-    backend: Annotated[str, Choice(LEARNERS)] = "torch"
-    num_processes: int = 1              # learner processes; with a pipeline: stages × data-parallel replicas
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = "constant"
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    mini_batch_prompts: int = 32
-    micro_batch_tokens: int = 16384
-    pack_summaries: bool = True         # one tree-packed row per trace (summaries as branches) vs a row per summary
-    logprob_chunk_tokens: int = 1024    # tokens per LM-head chunk: no [tokens × vocab] logits beyond one chunk
-    zero_stage: int = 2
-    bf16: bool = False
-    reference_model: bool = False       # needed only with algorithm.kl_coef > 0
-    deterministic: bool = False
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    backend: Annotated[str, Choice(LEARNERS)] = opt("torch", "the learner: plain PyTorch or DeepSpeed ZeRO")
+    num_processes: int = opt(1, "learner processes; with a pipeline: stages × data-parallel replicas")
+    lr: float = opt(1e-6, "AdamW learning rate")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    betas: list[float] = opt(factory=lambda: [0.9, 0.999], doc="AdamW betas")
+    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = opt("constant", "learning-rate schedule after the warm-up")
+    warmup_steps: int = opt(0, "optimizer steps of linear warm-up")
+    grad_clip: float = opt(1.0, "clip the global gradient norm (0 = no clipping)")
+    ppo_epochs: int = opt(1, "passes over each step's rollouts")
+    mini_batch_prompts: int = opt(32, "prompts per PPO mini-batch (one optimizer step each)")
+    micro_batch_tokens: int = opt(16384, "padded tokens per micro-batch (rows × longest row)")
+    pack_summaries: bool = opt(
+        True, "one tree-packed row per trace (summaries as branches) instead of a row per summary")
+    logprob_chunk_tokens: int = opt(1024, "tokens per LM-head chunk: no [tokens × vocab] logits beyond one chunk")
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3; 1-2 with a pipeline)")
+    bf16: bool = opt(False, "DeepSpeed: bf16 mixed precision")
+    reference_model: bool = opt(False, "load a frozen reference model (needed only with algorithm.kl_coef > 0)")
+    deterministic: bool = opt(False, "torch's deterministic algorithms (slower)")
+    pipeline: PipelineConfig = opt(factory=PipelineConfig, doc="zero-bubble pipeline parallelism of the learner")
 
     @property
     def processes(self) -> int:
@@ -175,66 +188,86 @@ class LearnerConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 0                      # 0 = no supervised warm start
-    lr: float = 3e-3
-    batch_size: int = 32
-    warmup_steps: int = 20
-    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = "cosine"   # after the warmup
+    steps: int = opt(0, "supervised warm-start steps on the synthetic task (0 = none)")
+    lr: float = opt(3e-3, "warm-start learning rate")
+    batch_size: int = opt(32, "warm-start sequences per step")
+    warmup_steps: int = opt(20, "warm-start steps of linear warm-up")
+    lr_schedule: Annotated[str, Choice(LR_SCHEDULES)] = opt(
+        "cosine", "warm-start learning-rate schedule after the warm-up")
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 630
-    seed: int = 0
-    output_dir: str = "runs/anytime"
-    save_every: int = 50
-    keep_last: int = 3
-    resume: str = "auto"                # auto | never | a checkpoint folder
-    num_threads: int = 0                # CPU threads per process for torch; 0 = torch's default
+    steps: int = opt(630, "RL steps")
+    seed: int = opt(0, "seed of the model init, data order, sampling and the held-out synthetic problems")
+    output_dir: str = opt("runs/anytime", "run folder: metrics, checkpoints, evals, the resolved recipe")
+    save_every: int = opt(50, "steps between checkpoints")
+    keep_last: int = opt(3, "checkpoints kept")
+    resume: str = opt("auto", "auto (the newest checkpoint), never, or a checkpoint folder")
+    num_threads: int = opt(0, "CPU threads per process for torch; 0 = torch's default")
 
 
 @dataclass
 class LoggingConfig:
-    jsonl: bool = True
-    tensorboard: bool = True            # used when the tensorboard package is installed
-    wandb: bool = False
-    wandb_project: str = "anytime"
-    progress: bool = True
+    jsonl: bool = opt(True, "write metrics.jsonl in the run folder")
+    tensorboard: bool = opt(True, "TensorBoard logs, when the tensorboard package is installed")
+    wandb: bool = opt(False, "log to Weights & Biases")
+    wandb_project: str = opt("anytime", "the W&B project")
+    progress: bool = opt(True, "a progress bar")
 
 
 @dataclass
 class EvalConfig:
-    every: int = 20                     # steps; 0 = only before and after training
-    budgets: list[int] | None = None    # default: the training grid
-    benchmarks: list[str] = field(default_factory=lambda: ["aime24", "amc22"])
-    data_dir: str | None = None         # local benchmark files instead of the hub
-    samples: int = 1
-    limit: int | None = None            # problems per benchmark
-    temperature: float = 0.6
-    top_p: float = 0.95
-    seed: int = 12345                   # sampling seed of the held-out eval (fixed across steps)
-    max_sample_records: int = 200       # per-sample records kept per eval (eval_samples/step_N.jsonl); 0 = none
+    every: int = opt(20, "steps between held-out evals; 0 = only before and after training")
+    budgets: list[int] | None = opt(None, "eval budgets; null = the training grid")
+    benchmarks: list[str] = opt(
+        factory=lambda: ["aime24", "amc22"],
+        doc="benchmarks of the held-out eval (eval/benchmarks.yaml names them)")
+    data_dir: str | None = opt(None, "a folder of local benchmark files instead of the hub")
+    samples: int = opt(1, "thinking traces per problem")
+    limit: int | None = opt(None, "problems per benchmark (null = all)")
+    temperature: float = opt(0.6, "sampling temperature of the eval (0 = greedy)")
+    top_p: float = opt(0.95, "nucleus sampling of the eval")
+    seed: int = opt(12345, "sampling seed of the held-out eval (the same at every step)")
+    max_sample_records: int = opt(200, "per-sample records kept per eval (eval_samples/step_N.jsonl); 0 = none")
 
 
 @dataclass
 class Recipe:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
-    summary: SummaryConfig = field(default_factory=SummaryConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    model: ModelConfig = opt(factory=ModelConfig, doc="the policy model")
+    data: DataConfig = opt(factory=DataConfig, doc="the training prompts")
+    rollout: RolloutConfig = opt(factory=RolloutConfig, doc="sampling thinking traces")
+    budget: BudgetConfig = opt(factory=BudgetConfig, doc="thinking budgets and their prior")
+    summary: SummaryConfig = opt(factory=SummaryConfig, doc="the forced summaries at each cut")
+    algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig, doc="advantages and the policy loss")
+    learner: LearnerConfig = opt(factory=LearnerConfig, doc="the optimizer and how the learner runs")
+    sft: SFTConfig = opt(factory=SFTConfig, doc="the supervised warm start")
+    trainer: TrainerConfig = opt(factory=TrainerConfig, doc="the run: steps, seed, checkpoints")
+    logging: LoggingConfig = opt(factory=LoggingConfig, doc="metrics sinks")
+    eval: EvalConfig = opt(factory=EvalConfig, doc="the held-out eval across budgets")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+REFERENCE_INTRO = """Every key of a recipe, generated from the schema (`anytime/config.py`) by `anytime config
+--reference`; a test fails when this file is stale. A recipe is YAML with these sections; `base:
+other.yaml` inherits another recipe, and `anytime train RECIPE key.path=value ...` overrides any key
+(the value is read as YAML: `budget.budgets=[16,32]`, `data.limit=null`). Defaults are the paper's
+(AnytimeReasoner, R1-Distill-Qwen-1.5B, 8k thinking); `recipes/quickstart.yaml` is the CPU example."""
+
+
+def schema_keys() -> list[str]:
+    """Every key of the recipe schema, dotted."""
+    return keys(Recipe)
+
+
+def recipe_reference() -> str:
+    """The markdown reference of every recipe key (docs/recipes.md)."""
+    return reference(Recipe, "Recipe reference", REFERENCE_INTRO)
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -351,8 +384,10 @@ def validate(r: Recipe) -> None:
     _require(r.eval.temperature >= 0, f"`eval.temperature` must be >= 0 (0 = greedy), got {r.eval.temperature}")
     _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
     _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")
-    _require(r.learner.grad_clip >= 0, f"`learner.grad_clip` must be >= 0 (0 disables clipping), got {r.learner.grad_clip}")
-    _require(r.learner.zero_stage in (0, 1, 2, 3), f"`learner.zero_stage` must be 0, 1, 2 or 3, got {r.learner.zero_stage}")
+    _require(r.learner.grad_clip >= 0, "`learner.grad_clip` must be >= 0 (0 disables clipping), got "
+                                        "{r.learner.grad_clip}")
+    _require(r.learner.zero_stage in (0, 1, 2, 3), "`learner.zero_stage` must be 0, 1, 2 or 3, got "
+                                                    "{r.learner.zero_stage}")
     _require(len(r.learner.betas) == 2 and all(0 <= x < 1 for x in r.learner.betas),
              f"`learner.betas` must be two numbers in [0, 1), got {r.learner.betas}")
     _require(0 <= r.algorithm.clip_low < 1, f"`algorithm.clip_low` must be in [0, 1), got {r.algorithm.clip_low}")
@@ -376,7 +411,8 @@ def validate(r: Recipe) -> None:
     _validate_pipeline(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
-    _require(0 <= r.data.synthetic_filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {r.data.synthetic_filler}")
+    _require(0 <= r.data.synthetic_filler < 1, "`data.synthetic_filler` must be in [0, 1), got "
+                                                "{r.data.synthetic_filler}")
 
 
 def _validate_pipeline(r: Recipe) -> None:

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from anytime.errors import RecipeError
 from anytime.registry import Choice
 
+RECIPE_DOCS = "docs/recipes.md"
+
 
 def field_choice(tp: Any) -> Choice | None:
     """The allowed values of an `Annotated[str, Choice(...)]` field (None for other types)."""
@@ -31,7 +33,9 @@ def type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {type_name(typing.get_args(tp)[0])}"
+        item = type_name(typing.get_args(tp)[0])
+        plural = {"an integer": "integers", "a number": "numbers", "a string": "strings"}
+        return f"a list of {plural.get(item, item)}"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
             type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -101,6 +105,83 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean `{(prefix + '.' if prefix else '') + close[0]}`?" if close else ""
-            raise RecipeError(f"unknown recipe key `{path}`{hint} (allowed here: {', '.join(names)})")
-        kwargs[key] = convert(value, hints[key], path)
+            raise RecipeError(f"unknown recipe key `{path}`{hint} (allowed here: {', '.join(names)}; "
+                              f"all keys: {RECIPE_DOCS})")
+        try:
+            kwargs[key] = convert(value, hints[key], path)
+        except RecipeError as exc:
+            doc = field_doc(cls, key)
+            if not doc or dataclasses.is_dataclass(hints[key]) or RECIPE_DOCS in str(exc):
+                raise
+            raise RecipeError(f"{exc}. `{path}`: {doc} (all keys: {RECIPE_DOCS})") from None
     return cls(**kwargs)
+
+
+# --- fields that carry their meaning, and the reference generated from them ----------------------
+
+def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
+    """A schema field with its one line of meaning: errors about the field and the generated
+    reference (`reference`) show the same text."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def field_doc(cls: type, name: str) -> str:
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}.get(name, "")
+
+
+def keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key of a schema, dotted (`learner.pipeline.stages`)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        out += keys(hints[f.name], path + ".") if dataclasses.is_dataclass(hints[f.name]) else [path]
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _yaml_value(value: Any) -> str:
+    import json
+
+    import yaml
+
+    if isinstance(value, str):   # escapes shown as written in YAML's double-quoted strings
+        return json.dumps(value, ensure_ascii=False)
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**6).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def reference(cls: type, title: str, intro: str) -> str:
+    """A markdown reference of a schema: one table per section, each key with its type, default,
+    allowed values and meaning, in the schema's order."""
+    lines = [f"# {title}", "", intro, ""]
+
+    def section(section_cls: type, prefix: str, doc: str) -> None:
+        hints = typing.get_type_hints(section_cls, include_extras=True)
+        leaves = [f for f in dataclasses.fields(section_cls) if not dataclasses.is_dataclass(hints[f.name])]
+        if leaves:
+            lines.extend([f"## {prefix.rstrip('.')}", ""])
+            if doc:
+                lines.extend([doc[0].upper() + doc[1:] + ".", ""])
+            lines.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
+            for f in leaves:
+                cell = _cell(f.metadata.get("doc", ""))
+                shown = _cell(_yaml_value(_default(f))).replace("\n", "\\n")
+                lines.append(f"| `{prefix}{f.name}` | {_cell(type_name(hints[f.name]))} | `{shown}` | {cell} |")
+            lines.append("")
+        for f in dataclasses.fields(section_cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                section(hints[f.name], f"{prefix}{f.name}.", f.metadata.get("doc", ""))
+
+    for f in dataclasses.fields(cls):
+        section(typing.get_type_hints(cls, include_extras=True)[f.name], f"{f.name}.", f.metadata.get("doc", ""))
+    return "\n".join(lines).rstrip() + "\n"

@@ -159,6 +159,15 @@ class PipelineConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = opt(0, "LoRA rank r; 0 = off (full fine-tuning)")
+    alpha: float = opt(16.0, "scale of the adapter's update: alpha / rank")
+    dropout: float = opt(0.0, "dropout on the adapter's input while training")
+    target_modules: list[str] = opt(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                    doc="the linear layers adapted")
+
+
+@dataclass
 class LearnerConfig:
     backend: Annotated[str, Choice(LEARNERS)] = opt("torch", "the learner: plain PyTorch or DeepSpeed ZeRO")
     num_processes: int = opt(1, "learner processes; with a pipeline: stages × data-parallel replicas")
@@ -179,6 +188,7 @@ class LearnerConfig:
     reference_model: bool = opt(False, "load a frozen reference model (needed only with algorithm.kl_coef > 0)")
     deterministic: bool = opt(False, "torch's deterministic algorithms (slower)")
     pipeline: PipelineConfig = opt(factory=PipelineConfig, doc="zero-bubble pipeline parallelism of the learner")
+    lora: LoRAConfig = opt(factory=LoRAConfig, doc="low-rank adapters through peft (torch, DeepSpeed ZeRO 0-2)")
 
     @property
     def processes(self) -> int:
@@ -409,10 +419,28 @@ def validate(r: Recipe) -> None:
     if r.eval.budgets is not None:
         _check_grid("eval.budgets", r.eval.budgets, b.max_thinking)
     _validate_pipeline(r)
+    _validate_lora(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     _require(0 <= r.data.synthetic_filler < 1, "`data.synthetic_filler` must be in [0, 1), got "
                                                 "{r.data.synthetic_filler}")
+
+
+def _validate_lora(r: Recipe) -> None:
+    lo = r.learner.lora
+    _require(lo.rank >= 0, f"`learner.lora.rank` must be >= 0 (0 = full fine-tuning), got {lo.rank}")
+    if lo.rank == 0:
+        return
+    _require(lo.alpha > 0, f"`learner.lora.alpha` must be > 0, got {lo.alpha}")
+    _require(0 <= lo.dropout < 1, f"`learner.lora.dropout` must be in [0, 1), got {lo.dropout}")
+    _require(len(lo.target_modules) > 0, "`learner.lora.target_modules` must name at least one linear layer, "
+             "e.g. [q_proj, v_proj]")
+    _require(r.learner.pipeline.stages == 1,
+             "`learner.lora.rank` > 0 is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
+             "set learner.lora.rank=0 or learner.pipeline.stages=1")
+    _require(r.learner.backend != "deepspeed" or r.learner.zero_stage < 3,
+             "`learner.lora.rank` > 0 with DeepSpeed supports ZeRO stages 0-2 (the adapter is small; ZeRO-3 would "
+             "partition the frozen base too): set learner.zero_stage=2")
 
 
 def _validate_pipeline(r: Recipe) -> None:

@@ -132,11 +132,16 @@ def save_checkpoint(root: str | Path, step: int, learner: Any, tokenizer: Any, t
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
-    state = learner.full_state_dict()
+    # a LoRA learner writes only its adapter (`adapter/`, in `save`): no full weights to gather
+    adapter = getattr(learner, "peft_model", None) is not None
+    state = None if adapter else learner.full_state_dict()
     learner.save(tmp)
     barrier()
     if is_main():
-        save_hf_folder(learner.config, state, tmp / "model", tokenizer, generation_source)
+        if state is not None:
+            save_hf_folder(learner.config, state, tmp / "model", tokenizer, generation_source)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "adapter")
         torch.save(rng_state(), tmp / RNG_STATE)
         (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=2))
         if final.exists():

@@ -13,7 +13,7 @@ tokens that are needed, so no micro-batch holds its whole [tokens × vocabulary]
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,7 @@ from anytime.models.loading import check_plain_head
 
 if TYPE_CHECKING:
     from anytime.config import LearnerConfig
+    from anytime.learner.lora import AdapterUpdate
 
 
 def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, select: torch.Tensor | None = None, *,
@@ -50,8 +51,11 @@ class DataParallelLearner:
     """The micro-batch loop shared by the torch and DeepSpeed learners; subclasses say how a loss
     is backpropagated (`_backward`) and how a step is taken."""
 
-    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, ref_model: torch.nn.Module | None = None):
-        self.model, self.cfg, self.ref_model = model, cfg, ref_model
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, ref_model: torch.nn.Module | None = None,
+                 peft_model: Any = None):
+        # peft_model: the `PeftModel` around `model` when LoRA layers were injected into it
+        # (`anytime.learner.lora`); the KL reference is then `model` with the adapter switched off.
+        self.model, self.cfg, self.ref_model, self.peft_model = model, cfg, ref_model, peft_model
         self.config = model.config
         self.device = next(model.parameters()).device
         impl = packed_attn_implementation(self.device) if cfg.pack_summaries else None
@@ -105,6 +109,9 @@ class DataParallelLearner:
             if self.ref_model is not None and loss.kl_coef != 0.0:
                 with torch.no_grad():
                     ref_lp, _ = self._forward(self.ref_model, mb, mb.loss_mask)
+            elif self.peft_model is not None and self.cfg.reference_model and loss.kl_coef != 0.0:
+                with torch.no_grad(), self.peft_model.disable_adapter():
+                    ref_lp, _ = self._forward(self.model, mb, mb.loss_mask)
             value, part = token_loss(lp, entropy, mb, loss, ref_lp)
             if any_across_ranks(not bool(torch.isfinite(value))):
                 return {**sums, "loss": float("nan")}
@@ -115,14 +122,50 @@ class DataParallelLearner:
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def adapter_update(self) -> AdapterUpdate | None:
+        """The adapter's factors for an engine that merges them itself (None without LoRA): the
+        adapter-sized weight sync (`anytime.rollout.local`)."""
+        if self.peft_model is None:
+            return None
+        from anytime.learner.lora import adapter_update
+
+        return adapter_update(self.model)
+
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """Hugging Face-named weights (every rank holds the model); with LoRA, the adapter merged in."""
+        if self.peft_model is not None:
+            from anytime.learner.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def _save_adapter(self, folder: Path) -> None:
+        if self.peft_model is not None and is_main():
+            from anytime.learner.lora import save_adapter
+
+            save_adapter(self.peft_model, folder)
+
+    def _load_model(self, folder: Path) -> None:
+        if self.peft_model is not None:
+            from anytime.learner.lora import load_adapter
+
+            load_adapter(self.peft_model, folder)
+        else:
+            from anytime.learner.checkpoint import load_model_weights
+
+            load_model_weights(self.model, folder)
+
 
 class TorchLearner(DataParallelLearner):
     """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are summed at the step."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
-                 ref_model: torch.nn.Module | None = None):
-        super().__init__(model, cfg, ref_model)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                 ref_model: torch.nn.Module | None = None, peft_model: Any = None):
+        super().__init__(model, cfg, ref_model, peft_model)
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
@@ -144,18 +187,16 @@ class TorchLearner(DataParallelLearner):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}  # every rank holds the model
-
     def save(self, folder: Path) -> None:
+        self._save_adapter(folder)
         if is_main():  # the replicas are identical: one copy
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        folder / "optimizer.pt")
 
     def load(self, folder: Path) -> None:
-        from anytime.learner.checkpoint import load_model_weights, load_tensors
+        from anytime.learner.checkpoint import load_tensors
 
-        load_model_weights(self.model, folder)
+        self._load_model(folder)
         state = load_tensors(folder / "optimizer.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -121,10 +121,11 @@ class EngineStep:
 
 class DeepSpeedLearner(DataParallelLearner):
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
-                 ref_model: torch.nn.Module | None = None):
+                 ref_model: torch.nn.Module | None = None, peft_model: Any = None):
+        # with LoRA only the adapter trains: ZeRO partitions and steps the adapter alone
         self.engine, self.optimizer, self.scheduler = initialize_engine(
-            model, model.parameters(), cfg, total_steps, zero_stage=cfg.zero_stage)
-        super().__init__(self.engine.module, cfg, ref_model)
+            model, [p for p in model.parameters() if p.requires_grad], cfg, total_steps, zero_stage=cfg.zero_stage)
+        super().__init__(self.engine.module, cfg, ref_model, peft_model)
         self._zero3 = cfg.zero_stage == 3
         self._loss_multiplier = loss_multiplier(cfg.zero_stage, self.dp_size)
         self._step = EngineStep(self.engine)
@@ -152,14 +153,21 @@ class DeepSpeedLearner(DataParallelLearner):
             yield
 
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        if self.peft_model is not None:  # ZeRO 0-2 (config.validate): every rank holds the weights
+            return super().full_state_dict(all_ranks)
         with self._gathered():  # ZeRO-3 gathers on every rank
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def save(self, folder: Path) -> None:
-        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
+        self._save_adapter(folder)
+        # with LoRA, DeepSpeed's module file holds the adapter alone (the frozen base is not saved)
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.peft_model is not None)
 
     def load(self, folder: Path) -> None:
         from anytime.learner.checkpoint import check_deepspeed_files
 
         check_deepspeed_files(folder / CHECKPOINT_TAG)  # DeepSpeed's own loader unpickles them
         self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False)
+        if self.peft_model is not None:
+            self._load_model(folder)

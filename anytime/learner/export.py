@@ -5,7 +5,8 @@ chat template) and a generation config that `AutoModelForCausalLM.from_pretraine
 CKPT may be a learner checkpoint (`step_N/`, whose `model/` holds the full weights), a DeepSpeed
 ZeRO checkpoint folder (shards are consolidated with DeepSpeed's own zero_to_fp32, stage by stage
 for a pipeline mesh), or a plain
-Hugging Face folder. Afterwards the learner's weights and the exported folder are compared on a
+Hugging Face folder. A LoRA checkpoint (`step_N/adapter/`, a PEFT folder) is exported merged into
+its base model, or as the PEFT adapter folder itself with `--adapter`. Afterwards the learner's weights and the exported folder are compared on a
 fixed batch and the max abs log-prob difference is printed.
 """
 
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=defaults.DTYPES.names(),
                         help="cast the weights (default: keep the checkpoint's dtype)")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max abs log-prob difference allowed")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA checkpoint: write its PEFT adapter folder instead of the merged model")
 
 
 def _hf_folder(ckpt: Path) -> Path:
@@ -72,22 +75,88 @@ def _fixed_batch(tokenizer: Any, vocab: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def logprob_parity(model_a: torch.nn.Module, model_b: torch.nn.Module, batch: torch.Tensor) -> float:
+def _logprobs(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     from anytime.algo.logprobs import token_logprobs
 
-    la = token_logprobs(model_a(batch).logits[:, :-1].double(), batch[:, 1:])
-    lb = token_logprobs(model_b(batch).logits[:, :-1].double(), batch[:, 1:])
-    return float((la - lb).abs().max())
+    return token_logprobs(model(batch).logits[:, :-1].double(), batch[:, 1:])
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, *, force: bool = False, dtype: str | None = None) -> tuple[Path, float]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def logprob_parity(model_a: torch.nn.Module, model_b: torch.nn.Module, batch: torch.Tensor) -> float:
+    return float((_logprobs(model_a, batch) - _logprobs(model_b, batch)).abs().max())
+
+
+def _adapter_folder(ckpt: Path) -> Path | None:
+    """The PEFT adapter folder of a LoRA checkpoint (`step_N/adapter/`, or an adapter folder itself)."""
+    from anytime.learner.lora import ADAPTER_DIR
+
+    return next((c for c in (ckpt / ADAPTER_DIR, ckpt) if (c / "adapter_config.json").is_file()), None)
+
+
+def _save_generation_config(folder: Path, config: Any, tokenizer: Any) -> None:
+    from transformers import GenerationConfig
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
+                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+                     ).save_pretrained(folder)
+
+
+def load_adapter_model(adapter_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(PeftModel, tokenizer) of a PEFT adapter folder on the base model its config names."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_path = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    has_tokenizer = (adapter_dir / "tokenizer_config.json").is_file()
+    return PeftModel.from_pretrained(base, adapter_dir).eval(), AutoTokenizer.from_pretrained(
+        adapter_dir if has_tokenizer else base_path)
+
+
+def export_lora(adapter_dir: Path, out: Path, *, adapter: bool, dtype: str | None) -> tuple[Path, float]:
+    """A LoRA checkpoint as the merged Hugging Face folder (default), or as its PEFT adapter folder
+    (`adapter`); the parity check compares the exported model with the adapter applied unmerged."""
+    model, tokenizer = load_adapter_model(adapter_dir)
+    batch = _fixed_batch(tokenizer, model.config.vocab_size)
+    want = _logprobs(model, batch)
+    tmp = out.with_name(out.name + ".export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if adapter:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        merged = model.merge_and_unload()
+        if dtype is not None:
+            merged = merged.to(getattr(torch, dtype))
+        merged.save_pretrained(tmp, safe_serialization=True)
+        _save_generation_config(tmp, merged.config, tokenizer)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    if adapter:
+        reloaded, _ = load_adapter_model(out)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return out, float((_logprobs(reloaded, batch) - want).abs().max())
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, *, force: bool = False, dtype: str | None = None,
+                      adapter: bool = False) -> tuple[Path, float]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     ckpt, out = Path(ckpt), Path(out)
     if not ckpt.exists():
         raise FileNotFoundError(f"checkpoint {str(ckpt)!r} does not exist")
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"--out {str(out)!r} is not empty; choose an empty folder or pass --force")
+    adapter_dir = _adapter_folder(ckpt)
+    if adapter_dir is not None:
+        return export_lora(adapter_dir, out, adapter=adapter, dtype=dtype)
+    if adapter:
+        raise ValueError(f"--adapter needs a LoRA checkpoint (learner.lora.rank > 0): {ckpt} holds no "
+                         "adapter/adapter_config.json")
     src = _hf_folder(ckpt)
     config = AutoConfig.from_pretrained(src)
     state = learner_state_dict(ckpt)
@@ -105,10 +174,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, force: bool = False,
     target.save_pretrained(tmp, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(src)
     tokenizer.save_pretrained(tmp)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
-                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-                     ).save_pretrained(tmp)
+    _save_generation_config(tmp, config, tokenizer)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -118,7 +184,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, force: bool = False,
 
 
 def run(args: argparse.Namespace) -> int:
-    out, diff = export_checkpoint(args.checkpoint, args.out, force=args.force, dtype=args.dtype)
+    out, diff = export_checkpoint(args.checkpoint, args.out, force=args.force, dtype=args.dtype, adapter=args.adapter)
     print(f"exported {args.checkpoint} -> {out}")
     print(f"logprob_parity_max_abs_diff: {diff:.3e}")
     if args.dtype is None and diff > args.tolerance:

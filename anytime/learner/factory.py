@@ -33,6 +33,10 @@ def build_learner(recipe: Recipe, model_path: str) -> Learner:
     if pipelined:
         return kind(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
     model = load_model(model_path, dtype, device, recipe.model.trust_remote_code, recipe.model.gradient_checkpointing)
+    if lc.lora.rank > 0:  # the reference model is this model with the adapter switched off
+        from anytime.learner.lora import apply_lora
+
+        return kind(model, lc, total, peft_model=apply_lora(model, lc.lora, model_path))
     ref = None
     if lc.reference_model:
         ref = load_model(model_path, dtype, device, recipe.model.trust_remote_code, False).eval()

@@ -202,6 +202,14 @@ class RolloutEngine(abc.ABC):
             raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
         self._load_weights(updates)
 
+    # Whether `update_adapter` merges LoRA factors itself (adapter-sized weight sync); engines that
+    # do not take full merged weights through `update_weights`.
+    accepts_adapters = False
+
+    def update_adapter(self, factors: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> None:
+        """Set each named weight to its base value + (B @ A) * scaling, from (name, A, B, scaling)."""
+        raise NotImplementedError(f"{type(self).__name__} takes full weights (update_weights), not LoRA factors")
+
     def sleep(self) -> None:
         """Free accelerator memory while the learner updates (weights kept on the host); a no-op where
         the engine has nothing to free."""

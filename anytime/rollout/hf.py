@@ -190,6 +190,7 @@ class HFEngine(RolloutEngine):
         self._pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._kept: dict[tuple[int, ...], RowKV] = {}  # token ids -> their KV, from the last generate()
+        self._adapter_base: dict[str, torch.Tensor] = {}  # adapted weights' base values (update_adapter)
         self._closed = False
 
     # ---- weights ------------------------------------------------------------------------------
@@ -197,8 +198,28 @@ class HFEngine(RolloutEngine):
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         targets = self.model.state_dict(keep_vars=True)
         self._kept.clear()  # computed with the old weights
+        self._adapter_base.clear()  # full weights are the new base of any later adapter
         for name, tensor in updates:
             targets[name].copy_(tensor)
+
+    accepts_adapters = True
+
+    @torch.no_grad()
+    def update_adapter(self, factors: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> None:
+        """LoRA factors merged in place: weight = base + (B @ A) * scaling (peft's merge arithmetic, so
+        the result equals the learner's merged weights). Only the factors travel; the engine keeps a
+        copy of each adapted weight's base value, taken at the first adapter update."""
+        self._check_open()
+        targets = self.model.state_dict(keep_vars=True)
+        unknown = [name for name, *_ in factors if name not in targets]
+        if unknown:
+            raise ValueError(f"update_adapter got weights the model does not have, e.g. {unknown[:3]}")
+        self._kept.clear()
+        for name, a, b, scaling in factors:
+            weight = targets[name]
+            base = self._adapter_base.setdefault(name, weight.detach().clone())
+            delta = (b.to(self.device, base.dtype) @ a.to(self.device, base.dtype)) * scaling
+            weight.copy_(base + delta)
 
     def sleep(self) -> None:
         """On a GPU, move the model to host memory until `wake_up` (the learner needs the room)."""

@@ -24,7 +24,7 @@ from anytime.core.dist import (
 )
 from anytime.errors import RecipeError
 from anytime.rollout.placement import pin_cpus, run_worker, shares_by_rank, slowest, step_metrics
-from anytime.rollout.worker import RolloutWorker
+from anytime.rollout.worker import RolloutWorker, adapter_of
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
@@ -49,6 +49,11 @@ class InProcessRollouts:
         return mine, broadcast_object(metrics), timings
 
     def sync_weights(self, learner: Any) -> None:
+        update = adapter_of(learner)
+        if update is not None:  # LoRA: adapter-sized where the engine merges it
+            if self.worker is not None:
+                self.worker.sync_adapter(learner, update)
+            return
         state = learner.full_state_dict()  # collective; complete on rank 0
         if self.worker is not None:
             self.worker.update_weights(state.items())
@@ -113,6 +118,10 @@ class ColocatedRollouts(InProcessRollouts):
         return batch, step_metrics([s for s, _ in per_worker], self.recipe), slowest([t for _, t in per_worker])
 
     def sync_weights(self, learner: Any) -> None:
+        update = adapter_of(learner)
+        if update is not None:
+            self.worker.sync_adapter(learner, update)
+            return
         self.worker.update_weights(learner.full_state_dict(all_ranks=True).items())
 
     def on_first_worker(self, fn: Callable[[RolloutWorker], T]) -> T:

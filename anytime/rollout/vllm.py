@@ -23,6 +23,7 @@ import gc
 import itertools
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ from anytime.rollout.engine import (
     check_lengths,
 )
 from anytime.rollout.streaming import AnytimeStream, Request
-from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_weights
+from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ def _launcher_env_hidden() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _served_rank(rank: int) -> int:
+    """The smallest LoRA rank vLLM accepts as `max_lora_rank` that holds `rank`."""
+    return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
+
+
 def _head_dim(config: Any) -> int:
     head_dim = getattr(config, "head_dim", None)
     return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
@@ -158,6 +164,7 @@ class VLLMEngine(RolloutEngine):
         cpu_threads_bind: str | None = None,
         own_process: bool | None = None,
         stream_summaries: bool = True,
+        max_lora_rank: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
         from transformers import AutoConfig
@@ -226,6 +233,8 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
             if block_size is not None:
                 kwargs["block_size"] = block_size
+        if max_lora_rank:  # the learner trains LoRA adapters: serve them unmerged (see update_adapter)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_served_rank(max_lora_rank))
         kwargs.update(llm_kwargs)
         # A previous engine in this process froze vLLM's environment; read the settings above afresh.
         envs.disable_envs_cache()
@@ -242,6 +251,13 @@ class VLLMEngine(RolloutEngine):
         self.stream_summaries = stream_summaries
         self._request_ids = itertools.count()
         self._closed = False
+        self.accepts_adapters = bool(max_lora_rank)
+        self._model_path = model_path
+        # the adapter every request runs with: a new name and id per weight version (vLLM caches
+        # adapters and prefix blocks by them, so a reused one could serve the old weights)
+        self._lora: Any = None
+        self._lora_folder: str | None = None
+        self._lora_ids = itertools.count(1)
 
     @staticmethod
     def _expected_weights(config: Any) -> dict[str, tuple[int, ...]]:
@@ -295,7 +311,8 @@ class VLLMEngine(RolloutEngine):
                 for (r, a), rendered in zip(samples, inputs):
                     rid = f"anytime-{next(self._request_ids)}"
                     engine.add_request(rid, rendered,
-                                       self._sampling_params(r.params, None if r.seed is None else r.seed + a))
+                                       self._sampling_params(r.params, None if r.seed is None else r.seed + a),
+                                       lora_request=self._lora)
                     pending[rid] = (r, a)
             except Exception as e:
                 raise EngineError(f"vLLM refused a request: {type(e).__name__}: {e}") from e
@@ -373,6 +390,34 @@ class VLLMEngine(RolloutEngine):
             if isinstance(payload, str):
                 os.unlink(payload)
 
+    def update_adapter(self, factors: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> None:
+        """A new weight version of the learner's LoRA adapter: written as a PEFT folder, loaded as a
+        `LoRARequest` with a name and id never used before, the previous one removed."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.accepts_adapters:
+            raise NotImplementedError("this vLLM engine was started without max_lora_rank: it takes full weights")
+        self._check_open()
+        version = next(self._lora_ids)
+        folder = write_adapter(factors, self._model_path)
+        request = LoRARequest(f"anytime-adapter-v{version}", version, folder)
+        engine = self._llm.llm_engine
+        try:
+            engine.add_lora(request)
+            if self._lora is not None:
+                engine.remove_lora(self._lora.lora_int_id)
+        except Exception as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise EngineError(f"vLLM adapter update failed: {type(e).__name__}: {e}") from e
+        if self._lora_folder is not None:
+            shutil.rmtree(self._lora_folder, ignore_errors=True)
+        self._lora, self._lora_folder = request, folder
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The name of the adapter requests run with now (None before the first adapter update)."""
+        return None if self._lora is None else self._lora.lora_name
+
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory (weights offloaded at level 1, discarded at level 2) while the
         learner runs; no-op (logged) where vLLM has no sleep mode, e.g. on CPU."""
@@ -413,6 +458,8 @@ class VLLMEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        if self._lora_folder is not None:
+            shutil.rmtree(self._lora_folder, ignore_errors=True)
         llm, self._llm = self._llm, None
         try:
             llm.llm_engine.engine_core.shutdown()

@@ -62,3 +62,34 @@ def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
             if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def write_adapter(factors: Iterable[tuple[str, torch.Tensor, torch.Tensor, float]], base_model: str) -> str:
+    """LoRA factors (Hugging Face weight name, A [r, in], B [out, r], scaling) as a PEFT adapter folder
+    (adapter_config.json + adapter_model.safetensors) in a fresh temporary folder; the caller deletes
+    it. The adapter is small, so it goes to the temp dir, not to RAM."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    rank, alpha = 0, 0.0
+    for name, a, b, scaling in factors:
+        module = name.removesuffix(".weight")
+        targets.add(module.rsplit(".", 1)[-1])
+        rank, alpha = a.shape[0], scaling * a.shape[0]
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().to("cpu").contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().to("cpu").contiguous()
+    folder = tempfile.mkdtemp(prefix=f"anytime-adapter-{os.getpid()}-")
+    try:
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "bias": "none",
+                  "target_modules": sorted(targets), "base_model_name_or_path": base_model, "lora_dropout": 0.0,
+                  "fan_in_fan_out": False, "modules_to_save": None}
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder

@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def adapter_of(learner: Any) -> Any:
+    """A LoRA learner's adapter factors (`anytime.learner.lora.AdapterUpdate`), None for any other
+    learner. Not collective: LoRA learners hold their whole model on every rank."""
+    update = getattr(learner, "adapter_update", None)
+    return update() if update is not None else None
+
+
 def rollout_sums(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, rows: int) -> dict[str, float]:
     """The rollout's metrics as sums and counts, so the metrics of several workers add up exactly."""
     B, G, S, A = rollout.scores.shape
@@ -74,11 +81,15 @@ class RolloutWorker:
         if r.rollout.engine == "vllm" and torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = r.rollout.enable_sleep
+        if r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray":
+            # vLLM serves the adapter itself (Ray actors get merged full weights through the object store)
+            kwargs["max_lora_rank"] = r.learner.lora.rank
         self.engine = create_engine(r.rollout.engine, model_path, max_model_len=engine_max_len(r, tokenizer),
                                     max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
                                     **kwargs)
         self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
         self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
+        self._merged_logged = False
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int,
                 prompt_index: Sequence[int] | None = None, num_prompts: int | None = None
@@ -116,6 +127,20 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
+
+    def sync_adapter(self, learner: Any, update: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> int:
+        """A LoRA learner's weights into this worker's engine: only the adapter's factors (`update`)
+        when the engine merges them itself, else the full merged weights. Returns the bytes handed over."""
+        if self.engine.accepts_adapters:
+            self.engine.update_adapter(update)
+            return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b, _ in update)
+        if not self._merged_logged:
+            log.info("the %s engine takes full weights: the LoRA adapter is merged into the base for every weight "
+                     "sync (sync bytes are the full model's)", self.recipe.rollout.engine)
+            self._merged_logged = True
+        state = learner.full_state_dict()
+        self.engine.update_weights(state.items())
+        return sum(t.numel() * t.element_size() for t in state.values())
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory for the learner update (vLLM sleep mode on a GPU)."""

@@ -26,6 +26,9 @@ _ROW_FIELDS = ("input_ids", "lengths", "prompt_index", "thinking_mask", "summary
                "advantages", "rollout_logprobs", "old_logprobs", "skip_start", "skip_end", "sequences")
 _TOKEN_FIELDS = _ROW_FIELDS[3:9]
 _INPUT_FIELDS = ("input_ids", "skip_start", "skip_end")   # [R, T], aligned with the input tokens
+# Per-prompt counts ([P], over the whole step's prompts) that loss normalisers read: they add up
+# across workers and are kept whole by every selection of rows.
+PROMPT_COUNT_FIELDS = ("tokens_per_prompt", "sequences_per_prompt")
 
 
 @dataclass
@@ -140,20 +143,19 @@ class TrainBatch:
 
     def reindexed(self, index: Sequence[int], num_prompts: int) -> TrainBatch:
         """The rows of a worker that rolled out some of a step's prompts, under their indices in the
-        whole step: local prompt b becomes `index[b]`, and the per-prompt token counts a vector over
-        the step's `num_prompts` prompts (zero for prompts rolled out elsewhere)."""
+        whole step: local prompt b becomes `index[b]`, and each per-prompt count a vector over the
+        step's `num_prompts` prompts (zero for prompts rolled out elsewhere)."""
         index_t = torch.as_tensor(list(index), dtype=torch.long)
-        tokens = torch.zeros(num_prompts, dtype=self.tokens_per_prompt.dtype)
-        tokens[index_t] = self.tokens_per_prompt
-        sequences = torch.zeros(num_prompts, dtype=self.sequences_per_prompt.dtype)
-        sequences[index_t] = self.sequences_per_prompt
-        return replace(self, prompt_index=index_t[self.prompt_index], tokens_per_prompt=tokens,
-                       sequences_per_prompt=sequences)
+        counts = {}
+        for name in PROMPT_COUNT_FIELDS:
+            counts[name] = torch.zeros(num_prompts, dtype=getattr(self, name).dtype)
+            counts[name][index_t] = getattr(self, name)
+        return replace(self, prompt_index=index_t[self.prompt_index], **counts)
 
     @staticmethod
     def concat(batches: Sequence[TrainBatch]) -> TrainBatch:
         """The rows of several workers' batches of one step (disjoint prompts), ordered by prompt as
-        one worker would have built them; per-prompt token counts add up."""
+        one worker would have built them; per-prompt counts add up."""
         width = max(b.input_ids.shape[1] for b in batches)
         first = batches[0]
         joined = {}
@@ -166,9 +168,8 @@ class TrainBatch:
             joined[name] = torch.cat(parts)
         order = torch.argsort(joined["prompt_index"], stable=True)
         joined = {name: t[order] for name, t in joined.items()}
-        return replace(first, **joined, tokens_per_prompt=sum(b.tokens_per_prompt for b in batches),
-                       sequences_per_prompt=sum(b.sequences_per_prompt for b in batches),
-                       max_len=max(b.max_len for b in batches))
+        counts = {name: sum(getattr(b, name) for b in batches) for name in PROMPT_COUNT_FIELDS}
+        return replace(first, **joined, **counts, max_len=max(b.max_len for b in batches))
 
     def to(self, device: torch.device | str) -> TrainBatch:
         return replace(self, **{name: getattr(self, name).to(device) for name in _ROW_FIELDS})

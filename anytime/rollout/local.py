@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from anytime.batch.train_batch import TrainBatch
+from anytime.batch.train_batch import PROMPT_COUNT_FIELDS, TrainBatch
 from anytime.core.dist import (
     all_gather_object,
     all_gather_tensors,
@@ -105,15 +105,17 @@ class ColocatedRollouts(InProcessRollouts):
         batch, sums, timings = run_worker(self.worker, f"{rank} (on learner rank {rank})", step,
                                            [prompts[i] for i in mine], [golds[i] for i in mine], step,
                                            prompt_index=mine, num_prompts=n)
-        # the step's per-prompt facts, the same on every rank (as one worker would have counted them)
-        tokens = torch.tensor(sum_across_ranks(batch.tokens_per_prompt.tolist()), dtype=batch.tokens_per_prompt.dtype)
-        sequences = torch.tensor(sum_across_ranks(batch.sequences_per_prompt.tolist()),
-                                 dtype=batch.sequences_per_prompt.dtype)
+        # the step's per-prompt counts, the same on every rank (as one worker would have counted
+        # them), summed in one collective
+        mine_counts = [getattr(batch, name) for name in PROMPT_COUNT_FIELDS]
+        summed = sum_across_ranks([v for t in mine_counts for v in t.tolist()])
+        counts = {name: torch.tensor(summed[i * n:(i + 1) * n], dtype=t.dtype)
+                  for i, (name, t) in enumerate(zip(PROMPT_COUNT_FIELDS, mine_counts))}
         max_len = max_across_ranks(batch.max_len)
         if self.group is not None:
             batch = TrainBatch.concat([TrainBatch.from_tensors(t) for t in
                                        all_gather_tensors(batch.to_tensors(), self.group)])
-        batch = replace(batch, tokens_per_prompt=tokens, sequences_per_prompt=sequences, max_len=max_len)
+        batch = replace(batch, **counts, max_len=max_len)
         per_worker = all_gather_object((sums, timings))
         return batch, step_metrics([s for s, _ in per_worker], self.recipe), slowest([t for _, t in per_worker])
 

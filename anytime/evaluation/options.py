@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shutil
 import tempfile
@@ -140,14 +141,30 @@ def resolve_options(args: argparse.Namespace) -> EvalOptions:
 
 # --- models given as training checkpoints --------------------------------------------------------
 
-def is_checkpoint(model: str) -> bool:
-    """A learner checkpoint (`step_N/` with `model/`, or a DeepSpeed checkpoint), not a HF folder."""
+def _adapter_config(model: str) -> Path | None:
+    """adapter_config.json of a LoRA checkpoint (`step_N/adapter/`) or of a PEFT adapter folder."""
     path = Path(model)
-    return path.is_dir() and ((path / "model" / "config.json").is_file() or (path / "deepspeed").is_dir())
+    return next((f for f in (path / "adapter" / "adapter_config.json", path / "adapter_config.json") if f.is_file()),
+                None)
+
+
+def is_checkpoint(model: str) -> bool:
+    """A learner checkpoint (`step_N/` with `model/`, a DeepSpeed or a LoRA checkpoint) or a PEFT adapter
+    folder: something to export before an engine can load it, not a HF folder."""
+    path = Path(model)
+    return path.is_dir() and ((path / "model" / "config.json").is_file() or (path / "deepspeed").is_dir()
+                              or _adapter_config(model) is not None)
 
 
 def config_folder(model: str) -> str:
-    """Where the model's config.json lives (a checkpoint keeps it in `model/`)."""
+    """Where the model's config.json lives: a checkpoint keeps it in `model/`; an adapter's is its base
+    model's (the folder its adapter_config.json names)."""
+    adapter_config = _adapter_config(model)
+    if adapter_config is not None:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{adapter_config} names no base_model_name_or_path; the adapter cannot be loaded")
+        return str(base)
     return str(Path(model) / "model") if is_checkpoint(model) and (Path(model) / "model").is_dir() else model
 
 

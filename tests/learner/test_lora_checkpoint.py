@@ -70,3 +70,28 @@ def test_export_merged_and_adapter_match_the_learner(runs, tmp_path):
     # a full fine-tuning checkpoint has no adapter to export
     with pytest.raises(ValueError, match="--adapter needs a LoRA checkpoint"):
         export_checkpoint(merged, tmp_path / "none", adapter=True)
+
+
+@pytest.mark.slow
+def test_eval_takes_a_lora_checkpoint_and_its_adapter_folder(runs, tmp_path, math_data_dir):
+    """`anytime eval --model step_N` on a LoRA checkpoint (and on an exported adapter folder) scores what
+    its merged export scores: same greedy traces, same accuracies."""
+    import json
+
+    from anytime.cli import main
+    from anytime.learner.export import export_checkpoint
+
+    step = runs[0] / "checkpoints" / "step_3"
+    merged, _ = export_checkpoint(step, tmp_path / "merged")
+    adapter, _ = export_checkpoint(step, tmp_path / "adapter", adapter=True)
+    out = tmp_path / "eval"
+    models = [str(step), str(adapter), str(merged)]
+    assert main(["eval", *[a for m in models for a in ("--model", m)], "--benchmarks", "amc22",
+                 "--data-dir", str(math_data_dir), "--limit", "2", "--budgets", "8:16:8", "--temperature", "0",
+                 "--engine", "hf", "--summary-max-tokens", "6", "--max-prompt-len", "2000", "--dtype", "float32",
+                 "--verifier-workers", "1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["models"]
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    traces = {m: [r["budgets"] for r in records if r["model"] == m] for m in models}
+    assert traces[str(step)] == traces[str(merged)] == traces[str(adapter)] and traces[str(step)]
+    assert results[str(step)]["amc22"]["accuracy"] == results[str(merged)]["amc22"]["accuracy"]

@@ -123,12 +123,15 @@ def extract_answer(text: str, header: str = DEFAULT_HEADER) -> str | None:
     with ``header``; None if no paragraph starts with it or that paragraph has no box.
 
     ``text`` is the answer part (after the thinking); only the header paragraph is searched, as in
-    the paper, so a box in a later paragraph does not count.
+    the paper, so a box in a later paragraph does not count. The header itself is part of the search,
+    so a header that ends in ``\\boxed{`` has its box closed by the model's answer.
     """
     key = header_key(header)
     for paragraph in sanitize(text).split("\n\n"):
         if paragraph.lstrip().startswith(key):
-            return extract_boxed(paragraph.lstrip()[len(key):])
+            # From the header's start, not its end: a header may open the box itself
+            # ("**Final Answer**\n\\boxed{"), so the model writes only the answer and "}".
+            return extract_boxed(paragraph.lstrip())
     return None
 
 

@@ -88,6 +88,11 @@ def test_extract_answer_header_paragraph_rule() -> None:
     # Surrounding whitespace of the header (the forced text) and the paragraph is ignored.
     assert extract_answer("  **Final Answer**\n\\boxed{8}", header="\n\n**Final Answer**\n") == "8"
     assert extract_answer("Answer: \\boxed{9}", header="Answer:") == "9"
+    # A header that opens the box: the model's text closes it.
+    boxed_header = "\n\n**Final Answer**\n\\boxed{"
+    assert extract_answer("**Final Answer**\n\\boxed{10} wait \\boxed{11}", header=boxed_header) == "11"
+    assert extract_answer("**Final Answer**\n\\boxed{12", header=boxed_header) is None   # never closed
+    assert extract_answer("**Final Answer**\n\\boxed{\\frac{1}{2}}", header=boxed_header) == "\\frac{1}{2}"
     with pytest.raises(ValueError, match="header"):
         extract_answer("x", header=" \n")
 

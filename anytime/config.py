@@ -19,6 +19,7 @@ from anytime.algo import (
     BUDGET_PRIORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    OFFPOLICY_CORRECTIONS,
     SUMMARY_ESTIMATORS,
     THINKING_ESTIMATORS,
     VARIANCE_REDUCTIONS,
@@ -141,6 +142,11 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.0, "weight of the KL to the reference model (needs learner.reference_model)")
     kl_type: Annotated[str, Choice(KL_ESTIMATORS)] = opt("k3", "per-token KL estimator")
     entropy_coef: float = opt(0.0, "weight of the entropy bonus")
+    offpolicy_correction: Annotated[str, Choice(OFFPOLICY_CORRECTIONS)] = opt(
+        "none", "weight advantages by π_learner/π_engine of the sampled tokens (anytime.algo.offpolicy): none, "
+                "tis (truncated at is_cap) or mis (0 above is_cap)")
+    is_level: Literal["token", "sequence"] = opt("token", "importance weight per token or per sampled sequence")
+    is_cap: float = opt(2.0, "cap of the tis / mis importance weight (> 0; .inf = no cap)")
 
 
 @dataclass
@@ -405,6 +411,7 @@ def validate(r: Recipe) -> None:
     _require(0 < r.algorithm.decay <= 1, f"`algorithm.decay` (λ) must be in (0, 1], got {r.algorithm.decay}")
     _require(r.algorithm.loss_norm_length is None or r.algorithm.loss_norm_length > 0,
              f"`algorithm.loss_norm_length` must be a positive token count or null, got {r.algorithm.loss_norm_length}")
+    _require(r.algorithm.is_cap > 0, f"`algorithm.is_cap` must be > 0 (.inf for no cap), got {r.algorithm.is_cap}")
     _require(r.algorithm.kl_coef == 0 or r.learner.reference_model,
              "`algorithm.kl_coef` > 0 needs `learner.reference_model: true`")
     _require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")

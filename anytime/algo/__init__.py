@@ -1,6 +1,6 @@
 """The method: budget grids, priors and the anytime score (`budget`), advantage estimators
-(`advantages`), the PPO-clip loss and its normalisers (`loss`), and log-probs through the LM head
-(`logprobs`).
+(`advantages`), the PPO-clip loss and its normalisers (`loss`), the off-policy importance weights
+of the engine's samples (`offpolicy`), and log-probs through the LM head (`logprobs`).
 
 Everything pluggable here is registered by name below; the recipe's allowed values come from
 these registries (`anytime.config`), so a new estimator is its function plus one entry here.
@@ -44,3 +44,9 @@ KL_ESTIMATORS = Registry("algorithm.kl_type", {
     "k1": "anytime.algo.loss:kl_k1",
     "k3": "anytime.algo.loss:kl_k3",
 }, doc="per-token estimate of KL(π‖π_ref)")
+
+OFFPOLICY_CORRECTIONS = Registry("algorithm.offpolicy_correction", {
+    "none": "anytime.algo.offpolicy:no_correction",
+    "tis": "anytime.algo.offpolicy:truncated_weights",
+    "mis": "anytime.algo.offpolicy:masked_weights",
+}, doc="importance weight π_prox/π_behav of the engine-sampled tokens: off, truncated or masked at the cap")

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from anytime.algo.offpolicy import apply_offpolicy_correction
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import Recipe
 from anytime.core.dist import broadcast_object, rank_world
@@ -112,6 +113,10 @@ class Trainer:
         with self.timer.stage("logprob"):
             batch.old_logprobs = self.learner.logprobs(batch)
             metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
+            # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
+            a = r.algorithm
+            offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
+            metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
         with self.timer.stage("update"):
             stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})

@@ -91,6 +91,8 @@ class RolloutConfig:
         "auto", "how new weights reach Ray actors: Ray's object store, or NCCL from learner rank 0 (GPU; auto picks "
                 "it there)")
     pin_cpus: bool = opt(True, "CPU engines: each worker takes its own share of the cores")
+    max_staleness: int = opt(0, "k: batch t is generated with the weights of step max(0, t - k), the next k batches "
+                                "rolling out during the update (ray: in the background); 0 = lock-step")
 
 
 @dataclass
@@ -378,6 +380,13 @@ def validate(r: Recipe) -> None:
     _require(r.rollout.workers == 1 or r.rollout.placement == "ray",
              f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: ray`; the colocated placement "
              "runs one worker per learner process (raise learner.num_processes)")
+    k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
+        r.rollout.placement == "auto" and r.learner.num_processes > 1)
+    _require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
+    _require(k == 0 or not (shared or r.rollout.enable_sleep),
+             "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
+             "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` (or inprocess, "
+             "which keeps the same samples without the overlap)")
     _require(r.rollout.placement != "ray" or r.rollout.workers <= r.rollout.prompts_per_step,
              f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
              f"({r.rollout.prompts_per_step}): every worker needs a prompt")

@@ -35,3 +35,19 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from anytime.tasks.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), synthetic.corpus(400), seed=0))
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One local Ray for the whole session; `anytime train` subprocesses join it through RAY_ADDRESS."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray extra: pip install -e '.[ray]'")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

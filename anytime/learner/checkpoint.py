@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from anytime.core.dist import barrier, is_main
+from anytime.core.dist import barrier, is_main, rank_world
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -122,9 +122,23 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def in_flight_file(folder: Path, rank: int) -> Path:
+    """A rank's rollouts in flight at the checkpoint (`rollout.max_staleness` > 0), generated with
+    earlier weights than the checkpoint's and needed to continue exactly."""
+    return folder / f"in_flight_rank{rank}.pt"
+
+
+def load_in_flight(folder: Path, rank: int) -> list[dict[str, Any]] | None:
+    """This rank's in-flight rollouts of a checkpoint, or None if it was saved without any."""
+    path = in_flight_file(folder, rank)
+    return load_tensors(path) if path.is_file() else None
+
+
 def save_checkpoint(root: str | Path, step: int, learner: Any, tokenizer: Any, trainer_state: dict[str, Any],
-                    keep_last: int, generation_source: str | None = None) -> Path:
-    """Collective: every learner rank calls it."""
+                    keep_last: int, generation_source: str | None = None,
+                    in_flight: list[dict[str, Any]] | None = None) -> Path:
+    """Collective: every learner rank calls it; `in_flight` is this rank's rollouts in flight (tensors
+    and plain values), committed with the rest."""
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if is_main():
@@ -136,6 +150,8 @@ def save_checkpoint(root: str | Path, step: int, learner: Any, tokenizer: Any, t
     adapter = getattr(learner, "peft_model", None) is not None
     state = None if adapter else learner.full_state_dict()
     learner.save(tmp)
+    if in_flight:
+        torch.save(in_flight, in_flight_file(tmp, rank_world()[0]))
     barrier()
     if is_main():
         if state is not None:

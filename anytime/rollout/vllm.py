@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no floa
 # rank of the learner's job.
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT")
+_RPC_PATH = "VLLM_RPC_BASE_PATH"   # where vLLM puts the sockets between this process and its engine core
 
 
 class AnytimeWorkerExtension:
@@ -111,13 +113,22 @@ def _inside_process_group() -> bool:
 
 
 @contextlib.contextmanager
-def _launcher_env_hidden() -> Iterator[None]:
-    """Hide torchrun's variables from a child process started inside the block."""
+def _launcher_env_hidden(ipc_dir: str | None = None) -> Iterator[None]:
+    """Hide torchrun's variables from a child process started inside the block, and point vLLM's
+    inter-process sockets at `ipc_dir` (they are left in /tmp otherwise)."""
     saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    rpc_path = os.environ.get(_RPC_PATH)
+    if ipc_dir is not None:
+        os.environ[_RPC_PATH] = ipc_dir
     try:
         yield
     finally:
         os.environ.update(saved)
+        if ipc_dir is not None:
+            if rpc_path is None:
+                os.environ.pop(_RPC_PATH, None)
+            else:
+                os.environ[_RPC_PATH] = rpc_path
 
 
 def _served_rank(rank: int) -> int:
@@ -241,13 +252,20 @@ class VLLMEngine(RolloutEngine):
         from anytime.core.watchdog import children, watch
 
         before = children()
+        # an engine core in its own process talks over sockets; ours go in a folder of their own,
+        # deleted on close (or by the watchdog), unless the user chose where (VLLM_RPC_BASE_PATH)
+        self._ipc_dir = (tempfile.mkdtemp(prefix=f"anytime-vllm-{os.getpid()}-")
+                         if self.own_process and _RPC_PATH not in os.environ else None)
         try:
-            with _launcher_env_hidden():
+            with _launcher_env_hidden(self._ipc_dir):
                 self._llm = LLM(**kwargs)
         except Exception as e:
+            if self._ipc_dir is not None:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
-            watch(children() - before, owner_files=weight_file_globs(os.getpid()))
+            ipc = [os.path.join(self._ipc_dir, "*"), self._ipc_dir] if self._ipc_dir is not None else []
+            watch(children() - before, owner_files=[*weight_file_globs(os.getpid()), *ipc])
         self.stream_summaries = stream_summaries
         self._request_ids = itertools.count()
         self._closed = False
@@ -467,3 +485,5 @@ class VLLMEngine(RolloutEngine):
             logger.warning("vLLM shutdown raised %s: %s", type(e).__name__, e)
         del llm
         gc.collect()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -529,10 +530,15 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     deletes afterwards, and closing leaves no process behind."""
     pytest.importorskip("vllm")
     psutil = pytest.importorskip("psutil")
+    import tempfile
+
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    sockets_before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()}
     eng = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, own_process=True)
+    ipc_dir = Path(eng._ipc_dir)
     try:
         assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert any(p.is_socket() for p in ipc_dir.iterdir())   # vLLM's sockets went to the engine's folder
         greedy = SamplingConfig(max_new_tokens=20, temperature=0)
         assert [c[0].token_ids for c in eng.generate(PROMPTS, greedy)] == [
             reference_greedy(learner, p, 20)[0] for p in PROMPTS
@@ -554,6 +560,8 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     finally:
         eng.close()
     assert engine_processes_left(before) == []
+    assert not ipc_dir.exists()
+    assert {p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()} <= sockets_before
 
 
 def test_orphaned_weight_files_are_removed(tmp_path):

@@ -93,6 +93,8 @@ class RolloutConfig:
     pin_cpus: bool = opt(True, "CPU engines: each worker takes its own share of the cores")
     max_staleness: int = opt(0, "k: batch t is generated with the weights of step max(0, t - k), the next k batches "
                                 "rolling out during the update (ray: in the background); 0 = lock-step")
+    worker_restarts: int = opt(0, "Ray: times each rollout actor that dies is started again and its prompts "
+                                  "regenerated (same samples); 0 = the step fails naming the worker")
 
 
 @dataclass
@@ -383,6 +385,9 @@ def validate(r: Recipe) -> None:
     k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
         r.rollout.placement == "auto" and r.learner.num_processes > 1)
     _require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
+    _require(r.rollout.worker_restarts >= 0, f"`rollout.worker_restarts` must be >= 0, got {r.rollout.worker_restarts}")
+    _require(r.rollout.worker_restarts == 0 or r.rollout.placement == "ray",
+             "`rollout.worker_restarts` restarts Ray actors: it needs `rollout.placement: ray`")
     _require(k == 0 or not (shared or r.rollout.enable_sleep),
              "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
              "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` (or inprocess, "

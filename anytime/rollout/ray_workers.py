@@ -6,6 +6,11 @@ or on a cluster (`ray start` on every node, then `ray job submit -- anytime trai
 
 Weights reach the actors through Ray's object store as numpy arrays (one `ray.put`, every actor reads
 it), or on GPUs by NCCL broadcast from learner rank 0 (`rollout.weight_sync`).
+
+An actor that dies fails the step that collects its rollout, by name; with `rollout.worker_restarts`
+it is started again in its place and its prompts of every rollout in flight are regenerated with
+the weights they were first given. Sequences are seeded from their index in the step, so the
+regenerated rows equal the lost ones and a locked run stays exact.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -94,6 +100,18 @@ class RolloutActor:
         self.worker.close()
 
 
+@dataclass
+class Submitted:
+    """A rollout handed to the actors, with what regenerates an actor's share should it die."""
+
+    step: int
+    refs: list[Any]             # one result per actor
+    actors: list[Any]           # the actors that took it
+    calls: list[tuple[list[list[int]], list[Any], list[int]]]   # per actor: prompts, golds, their indices
+    num_prompts: int
+    weights: Any                # the object-store weights they held (kept with restarts on); None = the start
+
+
 class RayRollouts:
     """`rollout.workers` Ray actors driven by learner rank 0 (other ranks only receive their rows)."""
 
@@ -102,8 +120,13 @@ class RayRollouts:
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self._pg = self._sender = None
-        self._syncs: list[Any] = []   # weight syncs handed to the actors and not yet confirmed
+        self._syncs: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of weight syncs not yet confirmed
         self._started_ray = False
+        self._weights: Any = None   # the latest object-store weights, kept while restarts may need them
+        self._holds: list[Any] = []   # the weights each actor holds (None = those it started with)
+        self._restarts: list[int] = []
+        self._spawn_args: tuple[Any, ...] = ()
+        self._pins: dict[int, tuple[int, int]] = {}   # actor -> (its share, shares on its node) of the cores
         if rank_world()[0] == 0:
             self._start(recipe, model_path, pad_id)
 
@@ -111,7 +134,6 @@ class RayRollouts:
         try:
             import ray
             from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError:
             raise ValueError("rollout.placement: ray needs Ray: pip install -e '.[ray]'") from None
         r = recipe.rollout
@@ -126,21 +148,34 @@ class RayRollouts:
                 watch(children() - before)
         gpus = r.ray_gpus_per_worker if r.ray_gpus_per_worker is not None else float(torch.cuda.is_available())
         bundle = {"CPU": r.ray_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        sync = r.weight_sync if r.weight_sync != "auto" else ("nccl" if gpus and r.engine == "vllm" else "object_store")
+        if sync == "nccl" and r.worker_restarts:
+            raise ValueError("`rollout.worker_restarts` needs `rollout.weight_sync: object_store`: a restarted actor "
+                             "cannot join the NCCL weight group")
         self._pg = placement_group([bundle] * r.workers, strategy="PACK")
         ray.get(self._pg.ready(), timeout=600)
-        actor = ray.remote(RolloutActor)
-        self.actors = [actor.options(num_cpus=r.ray_cpus_per_worker, num_gpus=gpus, max_restarts=0,
-                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)
-                                     ).remote(recipe, model_path, pad_id) for i in range(r.workers)]
+        self._spawn_args = (ray.remote(RolloutActor), recipe, model_path, pad_id, gpus)
+        self.actors = [self._spawn(i) for i in range(r.workers)]
+        self._holds, self._restarts = [None] * r.workers, [0] * r.workers
         where = self._get([a.where.remote() for a in self.actors], "start-up")
         self.pids = [pid for _, pid in where]
+        self._pins = {i: (0, 1) for i in range(r.workers)}
         if r.pin_cpus and not gpus:  # actors of one node share its cores
             for node in {n for n, _ in where}:
                 mine = [i for i, (n, _) in enumerate(where) if n == node]
-                self._get([self.actors[i].pin.remote(k, len(mine)) for k, i in enumerate(mine)], "start-up")
-        sync = r.weight_sync if r.weight_sync != "auto" else ("nccl" if gpus and r.engine == "vllm" else "object_store")
+                self._pins.update({i: (k, len(mine)) for k, i in enumerate(mine)})
+            self._get([a.pin.remote(*self._pins[i]) for i, a in enumerate(self.actors)], "start-up")
         if sync == "nccl":
             self._start_nccl()
+
+    def _spawn(self, i: int) -> Any:
+        """Actor i, in bundle i of the placement group, with the weights at `model_path`."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls, recipe, model_path, pad_id, gpus = self._spawn_args
+        return cls.options(num_cpus=recipe.rollout.ray_cpus_per_worker, num_gpus=gpus, max_restarts=0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)
+                           ).remote(recipe, model_path, pad_id)
 
     def _start_nccl(self) -> None:
         """A NCCL group of learner rank 0 (rank 0) and the actors' engines (ranks 1..N) for weights."""
@@ -155,6 +190,14 @@ class RayRollouts:
         self._sender = NcclWeightSender(host, port, world)
         self._get(refs, "the NCCL weight-group set-up")
 
+    def _error(self, i: int, exc: Exception, what: str) -> RolloutWorkerError:
+        pid = self.pids[i] if i < len(self.pids) else "?"
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        tried = (f"; restarted {self._restarts[i]} time(s) already (`rollout.worker_restarts`)"
+                 if i < len(self._restarts) and self._restarts[i] else "")
+        return RolloutWorkerError(f"rollout worker {i} (Ray actor, pid {pid}) failed during {what}: "
+                                  f"{type(exc).__name__}: {last}{tried}")
+
     def _get(self, refs: Sequence[Any], what: str) -> list[Any]:
         """Results of one call per actor; a failure names the actor and its error (the others are
         left to `close`), and nothing partial is returned."""
@@ -167,33 +210,91 @@ class RayRollouts:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    pid = self.pids[i] if i < len(self.pids) else "?"
-                    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-                    raise RolloutWorkerError(f"rollout worker {i} (Ray actor, pid {pid}) failed during {what}: "
-                                             f"{type(exc).__name__}: {last}") from None
+                    raise self._error(i, exc, what) from None
             raise
+
+    def _replace_if_dead(self, i: int, actor: Any, exc: Exception, what: str) -> None:
+        """Actor `actor` (index i) died during `what`: start another in its place, within the recipe's
+        restarts, or fail by name. An actor already replaced is left alone."""
+        from ray.exceptions import RayActorError
+
+        if actor is not self.actors[i] and isinstance(exc, RayActorError):
+            return
+        if not isinstance(exc, RayActorError) or self._restarts[i] >= self.recipe.rollout.worker_restarts:
+            raise self._error(i, exc, what) from None
+        self._restarts[i] += 1
+        log.warning("rollout worker %d (Ray actor, pid %s) died during %s; starting another in its place "
+                    "(restart %d of %d)", i, self.pids[i], what, self._restarts[i], self.recipe.rollout.worker_restarts)
+        self._replace(i)
+
+    def _replace(self, i: int) -> None:
+        """A new actor i in place of the old one, holding the weights at `model_path`."""
+        import ray
+
+        ray.kill(self.actors[i])
+        self.actors[i], self._holds[i] = self._spawn(i), None
+        self.pids[i] = self._get_one(i, self.actors[i].where.remote(), "a restart")[1]
+        if self.recipe.rollout.pin_cpus and not self._spawn_args[-1]:
+            self._get_one(i, self.actors[i].pin.remote(*self._pins[i]), "a restart")
+
+    def _get_one(self, i: int, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except Exception as exc:
+            raise self._error(i, exc, what) from None
+
+    def _regenerate(self, i: int, h: Submitted) -> Any:
+        """Actor i's share of a rollout whose actor died, generated again by the actor in its place
+        with the weights the first one had; the actor then takes the latest weights back."""
+        actor = self.actors[i]
+        if h.weights is None and self._holds[i] is not None:   # back to the weights it started with
+            self._replace(i)
+            actor = self.actors[i]
+        elif h.weights is not None and self._holds[i] is not h.weights:
+            actor.update_weights.remote(h.weights)
+        prompts, golds, index = h.calls[i]
+        result = self._get_one(i, actor.rollout.remote(prompts, golds, h.step, index, h.num_prompts),
+                               f"the regenerated rollout of step {h.step}")
+        self._holds[i] = h.weights
+        if self._weights is not h.weights:
+            self._syncs.append((i, actor, actor.update_weights.remote(self._weights)))
+            self._holds[i] = self._weights
+        return result
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         return self.collect(self.submit(prompts, golds, step))
 
-    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-               ) -> tuple[int, list[Any]]:
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> Submitted:
         """The step's prompts handed to the actors, which start at once (an actor runs its calls in
         order, so a weight sync issued after this reaches it after this rollout)."""
-        if not self.actors:
-            return step, []
         n = len(prompts)
         chunks = [local_share(range(n), i, len(self.actors)) for i in range(len(self.actors))]
-        return step, [a.rollout.remote([list(prompts[j]) for j in c], [golds[j] for j in c], step, c, n)
-                      for a, c in zip(self.actors, chunks)]
+        calls = [([list(prompts[j]) for j in c], [golds[j] for j in c], c) for c in chunks]
+        refs = [a.rollout.remote(p, g, step, c, n) for a, (p, g, c) in zip(self.actors, calls)]
+        return Submitted(step, refs, list(self.actors), calls, n, self._weights)
 
-    def collect(self, handle: tuple[int, list[Any]]) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        step, refs = handle
+    def _results(self, h: Submitted) -> list[Any]:
+        """Every actor's share of a submitted rollout, regenerated where its actor died (within the
+        recipe's restarts)."""
+        import ray
+
+        what, out = f"the rollout of step {h.step}", []
+        for i, (actor, ref) in enumerate(zip(h.actors, h.refs)):
+            try:
+                out.append(ray.get(ref))
+            except Exception as exc:
+                self._replace_if_dead(i, actor, exc, what)
+                out.append(self._regenerate(i, h))
+        return out
+
+    def collect(self, handle: Submitted) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         shares, metrics, timings = None, None, {}
         if self.actors:
             self._wait_for_syncs()
-            results = self._get(refs, f"the rollout of step {step}")
+            results = self._results(handle)
             batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
             shares = shares_by_rank(batch, self.learner)
             metrics = step_metrics([s for _, s, _ in results], self.recipe)
@@ -202,9 +303,14 @@ class RayRollouts:
         return mine, broadcast_object(metrics), timings
 
     def _wait_for_syncs(self) -> None:
-        refs, self._syncs = self._syncs, []
-        if refs:
-            self._get(refs, "the weight sync")
+        import ray
+
+        syncs, self._syncs = self._syncs, []
+        for i, actor, ref in syncs:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                self._replace_if_dead(i, actor, exc, "the weight sync")   # the rollout that follows regenerates
 
     def sync_weights(self, learner: Any) -> None:
         """The learner's weights to every actor. With `rollout.max_staleness` > 0 the call returns once
@@ -223,7 +329,9 @@ class RayRollouts:
         else:
             ref = ray.put(to_numpy(state))  # once; every actor reads it from the object store
             refs = [a.update_weights.remote(ref) for a in self.actors]
-        self._syncs.extend(refs)
+            if self.recipe.rollout.worker_restarts:   # kept so that a restart can regenerate with it
+                self._weights, self._holds = ref, [ref] * len(self.actors)
+        self._syncs.extend(zip(range(len(refs)), self.actors, refs))
         if self.recipe.rollout.max_staleness == 0:
             self._wait_for_syncs()
 

@@ -2,7 +2,8 @@
 max(0, t − k). A k = 1 run equals a lock-step loop built here whose batches come one step late; a
 run resumed with batches in flight equals an unbroken one; Ray workers (1 or 2, in the background)
 sample exactly what the in-process worker samples; a worker killed with a rollout in flight fails
-the step by name and leaves no process behind."""
+the step by name, or with `rollout.worker_restarts` is replaced and regenerates exactly what it lost,
+and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from anytime.config import RecipeError, load_recipe
 from anytime.trainer.launch import launch_train
@@ -153,6 +155,84 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
             rollouts.collect(first)
     finally:
         rollouts.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) for p in pids)
+
+
+class OneRankLearner:
+    """Learner rank 0 of one: the rows all go to it; each `step` moves its weights by a fixed random
+    perturbation of the tiny model's (so that a rollout after a sync samples differently)."""
+
+    dp_size, dp_ranks = 1, [0]
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.gen = torch.Generator().manual_seed(0)
+        self.state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+    def step(self) -> None:
+        self.state = {k: v + 0.05 * torch.randn(v.shape, generator=self.gen) for k, v in self.state.items()}
+
+    def full_state_dict(self) -> dict:
+        return self.state
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_model_dir, ray_address):
+    """Locked k = 2 with `rollout.worker_restarts: 1`: worker 1 dies with three rollouts in flight, one
+    submitted with the weights it started with and one after each of two syncs; the actor put in its
+    place regenerates all three, each with its own weights, and the batches equal an unbroken run's.
+    A second death fails by name."""
+    from transformers import AutoTokenizer
+
+    from anytime.data.prompts import render_prompt
+    from anytime.rollout.ray_workers import RayRollouts, RolloutWorkerError
+
+    recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
+                                      "budget.budgets=[8,16]", "budget.max_thinking=16", "rollout.worker_restarts=1",
+                                      "algorithm.entropy_coef=0.001",   # keeps the rows of zero reward
+                                      "rollout.max_staleness=2"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
+               for k in range(4)]
+    golds = ["2", "3", "4", "5"]
+
+    def three_steps(kill_after_submit: bool) -> tuple[list[dict], list[int]]:
+        learner = OneRankLearner(tiny_model_dir)
+        rollouts = RayRollouts(recipe, tiny_model_dir, tok, 0, learner)
+        first_pids = list(rollouts.pids)
+        try:
+            handles = [rollouts.submit(prompts, golds, 0)]      # the start weights
+            for step in (1, 2):                                 # the weights of steps 1 and 2
+                learner.step()
+                rollouts.sync_weights(learner)
+                handles.append(rollouts.submit(prompts, golds, step))
+            if kill_after_submit:
+                os.kill(first_pids[1], signal.SIGKILL)
+            batches = [rollouts.collect(h)[0].to_tensors() for h in handles]
+            if kill_after_submit:
+                assert rollouts.pids[1] != first_pids[1] and not psutil.pid_exists(first_pids[1])
+                os.kill(rollouts.pids[1], signal.SIGKILL)   # the restart budget is spent
+                with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 .* failed during the rollout of step 3"
+                                                             r".*restarted 1 time\(s\) already"):
+                    rollouts.collect(rollouts.submit(prompts, golds, 3))
+            return batches, [*first_pids, *rollouts.pids]
+        finally:
+            rollouts.close()
+
+    unbroken, _ = three_steps(kill_after_submit=False)
+    restarted, pids = three_steps(kill_after_submit=True)
+    assert unbroken[0]["input_ids"].shape[0] == 4 * 2   # prompts × traces (summaries packed in their trace)
+    for a, b in ((0, 1), (1, 2)):   # each sync changed the samples
+        assert not torch.equal(unbroken[a]["input_ids"], unbroken[b]["input_ids"])
+    for want, got in zip(unbroken, restarted):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
     deadline = time.time() + 30
     while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.5)

@@ -1,0 +1,175 @@
+"""Asynchronous (locked-staleness) against lock-step training on this machine, the quickstart's RL
+workload, and the step-timeline simulator's prediction beside each measurement.
+
+Three runs of `anytime train` (same model, recipe and steps):
+  - lockstep_both_cores: today's lock-step, the in-process engine and the learner each using every core
+    in turn (trainer.num_threads = all cores);
+  - lockstep_split: lock-step with the rollout worker in a Ray actor pinned to the last core and the
+    learner pinned to the others (each phase waits for the other);
+  - locked_k1_split: the same split with `rollout.max_staleness: 1` (the next batch rolls out while the
+    learner updates).
+The simulator (`anytime.trainer.timeline`) is calibrated on the lock-step split run's measured phases
+(rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
+think length, one core = one device, then predicts all three (so its lock-step split figure checks only
+the calibration and the overheads it leaves out). The in-flight mode is not built, so it is neither run nor
+predicted here.
+
+Prints ``name: value`` lines: each run's mean step time (`time/step`, the first `--skip` steps left
+out) and the simulator's prediction beside it, `async_over_sync_step_time` (locked k=1 over today's
+lock-step; goal <= 0.75) and `sim_error` (|predicted - measured| / measured for locked k=1).
+
+Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
+  --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
+  a few minutes on 2 cores), whose traces mostly end before the largest budget;
+  --model: an already warm-started model (e.g. runs/quickstart/sft_model);
+  default: a random tiny model built here, whose traces all run to the largest budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROLLOUT_STAGES = ("gen", "summaries", "reward", "adv")
+LEARNER_STAGES = ("logprob", "update")
+
+
+def train(out: Path, model: str, steps: int, overrides: list[str], cores: list[int] | None,
+          env: dict[str, str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "anytime.cli", "train", str(REPO / "recipes" / "quickstart.yaml"),
+           f"model.path={model}", "model.tiny=false", "sft.steps=0", f"trainer.steps={steps}",
+           f"trainer.output_dir={out}", f"trainer.save_every={steps}", "eval.limit=8", "eval.samples=1",
+           "logging.progress=false", "logging.tensorboard=false", *overrides]
+    if cores is not None:
+        cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "time/step" in r]
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(r.get(key, 0.0) for r in rows)
+
+
+def start_ray(cores: list[int]) -> str:
+    """A local Ray whose processes, the rollout actor included, inherit `cores`; its address. It ends
+    with this process (a watchdog ends it should this process be killed)."""
+    import ray
+
+    from anytime.core.watchdog import children, watch
+
+    mine = os.sched_getaffinity(0)
+    before = children()
+    os.sched_setaffinity(0, cores)   # inherited by the processes ray.init starts
+    try:
+        ray.init(num_cpus=len(cores), include_dashboard=False, log_to_driver=False)
+    finally:
+        os.sched_setaffinity(0, mine)
+    watch(children() - before)
+    return ray.get_runtime_context().gcs_address
+
+
+def simulate_runs(recipe, model: str, measured: list[dict], cores: int) -> dict[str, float]:
+    """The simulator calibrated on the lock-step split run: its three predictions."""
+    from transformers import AutoTokenizer
+
+    from anytime.data.prompts import render_prompt
+    from anytime.trainer.timeline import DecodeModel, Hardware, Split, Workload, simulate
+
+    think = round(mean(measured, "train/think_len"))
+    prompt = len(render_prompt(AutoTokenizer.from_pretrained(model), "Start with 3. Step 1: add 4. Step 2: add 5."))
+    r = recipe
+    workload = Workload(r.rollout.prompts_per_step, r.rollout.n, tuple(r.budget.grid()), r.summary.n,
+                        r.summary.max_tokens, prompt, (think,))
+    rollout_s = sum(mean(measured, f"time/{k}") for k in ROLLOUT_STAGES)
+    learner_s = sum(mean(measured, f"time/{k}") for k in LEARNER_STAGES)
+    # one engine decodes the whole batch at once (no slot limit on the CPU): a decode step costs the
+    # same whatever the batch, so the rollout time spreads over the decode steps of one trace and its
+    # summaries (all cuts' summaries run side by side)
+    decode_steps = think + r.summary.max_tokens
+    trained = r.rollout.prompts_per_step * r.rollout.n * (prompt + think + len(r.budget.grid()) * r.summary.n
+                                                          * r.summary.max_tokens)
+    hardware = Hardware(DecodeModel(rollout_s / decode_steps, 1e12), 10**6, trained / learner_s,
+                        mean(measured, "time/sync"))
+    # today's lock-step as the simulator sees it: every core a device that generates, then learns
+    return {"lockstep_both_cores": simulate("lockstep", workload, hardware, Split.colocated_on(cores)).step_s,
+            "lockstep_split": simulate("lockstep", workload, hardware, Split(1, 1)).step_s,
+            "locked_k1_split": simulate("locked", workload, hardware, Split(1, 1), staleness=1).step_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--warm-start", action="store_true", help="warm-start the quickstart's model here first")
+    parser.add_argument("--warm-steps", type=int, default=None, help="its supervised steps (default: the recipe's)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (start-up)")
+    args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("needs at least 2 cores: one for the rollout actor, the rest for the learner")
+    from anytime.config import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    work = Path(tempfile.mkdtemp(prefix="async-rl-"))
+    model = args.model
+    address = None
+    try:
+        if model is None and args.warm_start:
+            warm = work / "warm"
+            steps = [f"sft.steps={args.warm_steps}"] if args.warm_steps else []
+            subprocess.run([sys.executable, "-m", "anytime.cli", "sft", str(REPO / "recipes" / "quickstart.yaml"),
+                            f"trainer.output_dir={warm}", f"model.path={warm}/init_model", "logging.progress=false",
+                            f"trainer.num_threads={len(cores)}", *steps], check=True, capture_output=True, cwd=REPO)
+            model = str(warm / "sft_model")
+        elif model is None:
+            model = str(work / "tiny")
+            subprocess.run([sys.executable, "-m", "anytime.cli", "tiny-model", model], check=True, capture_output=True)
+        runs = {"lockstep_both_cores": train(work / "both", model, args.steps,
+                                             ["rollout.placement=inprocess", f"trainer.num_threads={len(cores)}"],
+                                             None, {})}
+        address = start_ray(cores[-1:])
+        ray_run = ["rollout.placement=ray", "rollout.ray_cpus_per_worker=1", f"trainer.num_threads={len(cores) - 1}"]
+        env = {"RAY_ADDRESS": address}
+        runs["lockstep_split"] = train(work / "split", model, args.steps, ray_run, cores[:-1], env)
+        runs["locked_k1_split"] = train(work / "locked", model, args.steps, [*ray_run, "rollout.max_staleness=1"],
+                                        cores[:-1], env)
+        measured = {name: rows[args.skip:] for name, rows in runs.items()}
+        predicted = simulate_runs(recipe, model, measured["lockstep_split"], len(cores))
+        step = {name: mean(rows, "time/step") for name, rows in measured.items()}
+        for name in runs:
+            print(f"{name}_step_s: {step[name]:.4f}")
+            print(f"sim_{name}_step_s: {predicted[name]:.4f}")
+        split = measured["lockstep_split"]
+        # the two sides of the split lock-step step: what overlap can hide is the shorter one
+        print(f"lockstep_split_rollout_s: {sum(mean(split, f'time/{k}') for k in ROLLOUT_STAGES):.4f}")
+        print(f"lockstep_split_learner_s: {sum(mean(split, f'time/{k}') for k in LEARNER_STAGES):.4f}")
+        print(f"lockstep_split_sync_s: {mean(split, 'time/sync'):.4f}")
+        locked = measured["locked_k1_split"]
+        print(f"locked_k1_learner_wait_s: {mean(locked, 'time/learner_wait'):.4f}")
+        print(f"locked_k1_rollout_wait_s: {mean(locked, 'time/rollout_wait'):.4f}")
+        print(f"locked_k1_version_lag: {mean(locked, 'rollout/version_lag'):.2f}")
+        print(f"async_over_sync_step_time: {step['locked_k1_split'] / step['lockstep_both_cores']:.3f}")
+        print(f"async_over_split_sync_step_time: {step['locked_k1_split'] / step['lockstep_split']:.3f}")
+        print(f"sim_error: {abs(predicted['locked_k1_split'] - step['locked_k1_split']) / step['locked_k1_split']:.3f}")
+    finally:
+        if address is not None:
+            import ray
+
+            ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -226,6 +226,9 @@ class RayRollouts:
         log.warning("rollout worker %d (Ray actor, pid %s) died during %s; starting another in its place "
                     "(restart %d of %d)", i, self.pids[i], what, self._restarts[i], self.recipe.rollout.worker_restarts)
         self._replace(i)
+        if self._weights is not None:   # the latest weights, for whatever it runs next (a regeneration sets its own)
+            self._syncs.append((i, self.actors[i], self.actors[i].update_weights.remote(self._weights)))
+            self._holds[i] = self._weights
 
     def _replace(self, i: int) -> None:
         """A new actor i in place of the old one, holding the weights at `model_path`."""

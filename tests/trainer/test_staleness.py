@@ -186,16 +186,18 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
     """Locked k = 2 with `rollout.worker_restarts: 1`: worker 1 dies with three rollouts in flight, one
     submitted with the weights it started with and one after each of two syncs; the actor put in its
     place regenerates all three, each with its own weights, and the batches equal an unbroken run's.
-    A second death fails by name."""
+    A second death fails by name. In lock-step, an actor replaced with nothing in flight takes the
+    latest weights."""
     from transformers import AutoTokenizer
 
     from anytime.data.prompts import render_prompt
     from anytime.rollout.ray_workers import RayRollouts, RolloutWorkerError
 
-    recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
-                                      "budget.budgets=[8,16]", "budget.max_thinking=16", "rollout.worker_restarts=1",
-                                      "algorithm.entropy_coef=0.001",   # keeps the rows of zero reward
-                                      "rollout.max_staleness=2"])
+    overrides = ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1", "budget.budgets=[8,16]",
+                 "budget.max_thinking=16", "rollout.worker_restarts=1",
+                 "algorithm.entropy_coef=0.001",   # keeps the rows of zero reward
+                 "rollout.max_staleness=2"]
+    recipe = load_recipe(QUICKSTART, overrides)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(4)]
@@ -233,6 +235,23 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
         assert want.keys() == got.keys()
         for key in want:
             assert torch.equal(want[key], got[key]), key
+    # lock-step: an actor found dead by the weight sync, with nothing in flight, is replaced by one that
+    # holds the new weights, so the next rollout samples what an unbroken run samples
+    learner = OneRankLearner(tiny_model_dir)
+    rollouts = RayRollouts(load_recipe(QUICKSTART, [*overrides[:-1], "rollout.max_staleness=0"]), tiny_model_dir,
+                           tok, 0, learner)
+    pids += rollouts.pids
+    try:
+        learner.step()
+        learner.step()
+        os.kill(rollouts.pids[1], signal.SIGKILL)
+        rollouts.sync_weights(learner)   # the weights of step 2: unbroken[2] was sampled with them
+        pids.append(rollouts.pids[1])
+        batch = rollouts.collect(rollouts.submit(prompts, golds, 2))[0].to_tensors()
+    finally:
+        rollouts.close()
+    for key in unbroken[2]:
+        assert torch.equal(unbroken[2][key], batch[key]), key
     deadline = time.time() + 30
     while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.5)

@@ -99,6 +99,13 @@ class RolloutActor:
     def close(self) -> None:
         self.worker.close()
 
+    def exit(self) -> None:
+        """End this actor's process the way Python exits, so that its exit handlers run (multiprocessing
+        removes its temporary folders); `ray.kill` would leave them behind."""
+        import ray
+
+        ray.actor.exit_actor()
+
 
 @dataclass
 class Submitted:
@@ -119,6 +126,7 @@ class RayRollouts:
         self.recipe, self.learner = recipe, learner
         self.actors: list[Any] = []
         self.pids: list[int] = []
+        self.nodes: list[str] = []
         self._pg = self._sender = None
         self._syncs: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of weight syncs not yet confirmed
         self._started_ray = False
@@ -158,7 +166,7 @@ class RayRollouts:
         self.actors = [self._spawn(i) for i in range(r.workers)]
         self._holds, self._restarts = [None] * r.workers, [0] * r.workers
         where = self._get([a.where.remote() for a in self.actors], "start-up")
-        self.pids = [pid for _, pid in where]
+        self.nodes, self.pids = [node for node, _ in where], [pid for _, pid in where]
         self._pins = {i: (0, 1) for i in range(r.workers)}
         if r.pin_cpus and not gpus:  # actors of one node share its cores
             for node in {n for n, _ in where}:
@@ -236,7 +244,7 @@ class RayRollouts:
 
         ray.kill(self.actors[i])
         self.actors[i], self._holds[i] = self._spawn(i), None
-        self.pids[i] = self._get_one(i, self.actors[i].where.remote(), "a restart")[1]
+        self.nodes[i], self.pids[i] = self._get_one(i, self.actors[i].where.remote(), "a restart")
         if self.recipe.rollout.pin_cpus and not self._spawn_args[-1]:
             self._get_one(i, self.actors[i].pin.remote(*self._pins[i]), "a restart")
 
@@ -355,13 +363,21 @@ class RayRollouts:
     def close(self) -> None:
         if not self.actors and self._pg is None:
             return
+        import psutil
         import ray
 
-        for actor in self.actors:
-            try:
-                ray.get(actor.close.remote(), timeout=30)
-            except Exception:  # already dead: killing it below is all that is left
-                pass
+        here = ray.get_runtime_context().get_node_id()
+        for actor, node, pid in zip(self.actors, self.nodes, self.pids):
+            for call in (actor.close, actor.exit):
+                try:
+                    ray.get(call.remote(), timeout=30)
+                except Exception:  # it exited, or was already dead: killing it below is all that is left
+                    pass
+            if node == here:   # its exit handlers run after Ray reports the exit: let them finish
+                try:
+                    psutil.wait_procs([psutil.Process(pid)], timeout=30)
+                except psutil.NoSuchProcess:
+                    pass
             ray.kill(actor)
         self.actors = []
         if self._pg is not None:

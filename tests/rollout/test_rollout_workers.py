@@ -147,6 +147,51 @@ time.sleep(120)
 """
 
 
+ACTOR_TEMP_FOLDERS = """
+import glob, json, os, sys
+import ray
+from transformers import AutoTokenizer
+from anytime.config import load_recipe
+from anytime.data.prompts import render_prompt
+from anytime.rollout.ray_workers import RayRollouts
+
+class OneRank:
+    dp_size, dp_ranks = 1, [0]
+
+model, recipe = sys.argv[1], load_recipe(sys.argv[2], ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2",
+                                                      "summary.n=1", "budget.budgets=[8,16]", "budget.max_thinking=16"])
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+tok = AutoTokenizer.from_pretrained(model)
+rollouts = RayRollouts(recipe, model, tok, 0, OneRank())
+rollouts.collect(rollouts.submit([render_prompt(tok, f"Start with {k}. Step 1: add 2.") for k in range(2)], ["2", "3"], 0))
+during = glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*"))
+rollouts.close()
+print(json.dumps({"during": during, "after": glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*"))}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@needs_ray
+def test_closed_ray_workers_leave_no_temporary_folders(tiny_model_dir):
+    """The actors' verifier pools keep sockets in multiprocessing's temporary folders; the actors exit
+    as Python does, so those folders go with them (a killed process would leave them)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="ax-", dir="/tmp")   # short: Ray's sockets live under it too
+    try:
+        proc = subprocess.run([sys.executable, "-c", ACTOR_TEMP_FOLDERS, tiny_model_dir, QUICKSTART], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "TMPDIR": tmp, "RAY_ADDRESS": ""})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        folders = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert folders["during"], "the actors made no temporary folder: the check checks nothing"
+    assert folders["after"] == [], folders
+
+
 def test_the_watchdog_ends_what_a_killed_owner_started_and_deletes_its_files(tmp_path):
     (tmp_path / "other.bin").write_bytes(b"not the owner's")
     owner = subprocess.Popen([sys.executable, "-c", WATCHED, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -8,6 +8,7 @@ prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -93,6 +94,10 @@ class RolloutConfig:
     pin_cpus: bool = opt(True, "CPU engines: each worker takes its own share of the cores")
     max_staleness: int = opt(0, "k: batch t is generated with the weights of step max(0, t - k), the next k batches "
                                 "rolling out during the update (ray: in the background); 0 = lock-step")
+    staleness_mode: Literal["locked", "inflight"] = opt(
+        "locked", "with max_staleness k > 0: locked = batch t entirely on the weights of step t - k (exact, "
+                  "reproducible); inflight = workers take each new version between decoding steps, unfinished traces "
+                  "continuing under it (Ray actors, hf engine; faster, not reproducible bit for bit)")
     worker_restarts: int = opt(0, "Ray: times each rollout actor that dies is started again and its prompts "
                                   "regenerated (same samples); 0 = the step fails naming the worker")
 
@@ -392,21 +397,22 @@ def validate(r: Recipe) -> None:
              "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
              "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` (or inprocess, "
              "which keeps the same samples without the overlap)")
+    for ok, need in ((k >= 1, "`rollout.max_staleness` >= 1 (the versions a batch may span)"),
+                     (r.rollout.placement == "ray", "workers in their own processes: `rollout.placement: ray`"),
+                     (r.rollout.engine == "hf", "`rollout.engine: hf` (vLLM's generate call hides its decoding steps)"),
+                     (r.rollout.weight_sync != "nccl", "`rollout.weight_sync: object_store` (NCCL is a collective the "
+                                                       "generating workers cannot join)"),
+                     (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
+                                                      "weights a rollout started from, which inflight does not keep)")):
+        _require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
     _require(r.rollout.placement != "ray" or r.rollout.workers <= r.rollout.prompts_per_step,
              f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
              f"({r.rollout.prompts_per_step}): every worker needs a prompt")
-    for key, value in (("rollout.n", r.rollout.n), ("rollout.prompts_per_step", r.rollout.prompts_per_step),
-                       ("rollout.workers", r.rollout.workers),
-                       ("summary.n", r.summary.n), ("summary.max_tokens", r.summary.max_tokens),
-                       ("data.max_prompt_len", r.data.max_prompt_len), ("trainer.steps", r.trainer.steps),
-                       ("learner.ppo_epochs", r.learner.ppo_epochs),
-                       ("learner.mini_batch_prompts", r.learner.mini_batch_prompts),
-                       ("learner.micro_batch_tokens", r.learner.micro_batch_tokens),
-                       ("learner.logprob_chunk_tokens", r.learner.logprob_chunk_tokens),
-                       ("learner.num_processes", r.learner.num_processes),
-                       ("learner.pipeline.stages", r.learner.pipeline.stages),
-                       ("learner.pipeline.microbatches", r.learner.pipeline.microbatches),
-                       ("eval.samples", r.eval.samples)):
+    for key in ("rollout.n", "rollout.prompts_per_step", "rollout.workers", "summary.n", "summary.max_tokens",
+                "data.max_prompt_len", "trainer.steps", "learner.ppo_epochs", "learner.mini_batch_prompts",
+                "learner.micro_batch_tokens", "learner.logprob_chunk_tokens", "learner.num_processes",
+                "learner.pipeline.stages", "learner.pipeline.microbatches", "eval.samples"):
+        value = functools.reduce(getattr, key.split("."), r)
         _require(value > 0, f"`{key}` must be a positive integer, got {value}")
     _require(r.eval.max_sample_records >= 0,
              f"`eval.max_sample_records` must be >= 0 (0 writes no eval samples), got {r.eval.max_sample_records}")
@@ -414,10 +420,9 @@ def validate(r: Recipe) -> None:
     _require(r.eval.temperature >= 0, f"`eval.temperature` must be >= 0 (0 = greedy), got {r.eval.temperature}")
     _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
     _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")
-    _require(r.learner.grad_clip >= 0, "`learner.grad_clip` must be >= 0 (0 disables clipping), got "
-                                        "{r.learner.grad_clip}")
-    _require(r.learner.zero_stage in (0, 1, 2, 3), "`learner.zero_stage` must be 0, 1, 2 or 3, got "
-                                                    "{r.learner.zero_stage}")
+    _require(r.learner.grad_clip >= 0, f"`learner.grad_clip` must be >= 0 (0 = no clipping), got {r.learner.grad_clip}")
+    stage = r.learner.zero_stage
+    _require(stage in (0, 1, 2, 3), f"`learner.zero_stage` must be 0, 1, 2 or 3, got {stage}")
     _require(len(r.learner.betas) == 2 and all(0 <= x < 1 for x in r.learner.betas),
              f"`learner.betas` must be two numbers in [0, 1), got {r.learner.betas}")
     _require(0 <= r.algorithm.clip_low < 1, f"`algorithm.clip_low` must be in [0, 1), got {r.algorithm.clip_low}")
@@ -443,8 +448,8 @@ def validate(r: Recipe) -> None:
     _validate_lora(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
-    _require(0 <= r.data.synthetic_filler < 1, "`data.synthetic_filler` must be in [0, 1), got "
-                                                "{r.data.synthetic_filler}")
+    filler = r.data.synthetic_filler
+    _require(0 <= filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {filler}")
 
 
 def _validate_lora(r: Recipe) -> None:

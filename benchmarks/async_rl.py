@@ -1,22 +1,25 @@
-"""Asynchronous (locked-staleness) against lock-step training on this machine, the quickstart's RL
-workload, and the step-timeline simulator's prediction beside each measurement.
+"""Asynchronous (locked and in-flight staleness) against lock-step training on this machine, the
+quickstart's RL workload, and the step-timeline simulator's prediction beside each measurement.
 
-Three runs of `anytime train` (same model, recipe and steps):
+Four runs of `anytime train` (same model, recipe and steps):
   - lockstep_both_cores: today's lock-step, the in-process engine and the learner each using every core
     in turn (trainer.num_threads = all cores);
   - lockstep_split: lock-step with the rollout worker in a Ray actor pinned to the last core and the
     learner pinned to the others (each phase waits for the other);
   - locked_k1_split: the same split with `rollout.max_staleness: 1` (the next batch rolls out while the
-    learner updates).
+    learner updates);
+  - inflight_k2_split: the same split with `rollout.staleness_mode: inflight`, `max_staleness: 2` (the
+    actor takes each new version between two decoding steps).
 The simulator (`anytime.trainer.timeline`) is calibrated on the lock-step split run's measured phases
 (rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
 think length, one core = one device, then predicts all three (so its lock-step split figure checks only
-the calibration and the overheads it leaves out). The in-flight mode is not built, so it is neither run nor
-predicted here.
+the calibration and the overheads it leaves out).
 
 Prints ``name: value`` lines: each run's mean step time (`time/step`, the first `--skip` steps left
 out) and the simulator's prediction beside it, `async_over_sync_step_time` (locked k=1 over today's
-lock-step; goal <= 0.75) and `sim_error` (|predicted - measured| / measured for locked k=1).
+lock-step; goal <= 0.75), `inflight_over_sync_step_time` (in-flight k=2 over it), the in-flight run's
+staleness metrics, and `sim_error` / `sim_error_inflight` (|predicted - measured| / measured for locked
+k=1 and in-flight k=2).
 
 Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
   --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
@@ -104,7 +107,8 @@ def simulate_runs(recipe, model: str, measured: list[dict], cores: int) -> dict[
     # today's lock-step as the simulator sees it: every core a device that generates, then learns
     return {"lockstep_both_cores": simulate("lockstep", workload, hardware, Split.colocated_on(cores)).step_s,
             "lockstep_split": simulate("lockstep", workload, hardware, Split(1, 1)).step_s,
-            "locked_k1_split": simulate("locked", workload, hardware, Split(1, 1), staleness=1).step_s}
+            "locked_k1_split": simulate("locked", workload, hardware, Split(1, 1), staleness=1).step_s,
+            "inflight_k2_split": simulate("inflight", workload, hardware, Split(1, 1), staleness=2).step_s}
 
 
 def main() -> int:
@@ -144,6 +148,9 @@ def main() -> int:
         runs["lockstep_split"] = train(work / "split", model, args.steps, ray_run, cores[:-1], env)
         runs["locked_k1_split"] = train(work / "locked", model, args.steps, [*ray_run, "rollout.max_staleness=1"],
                                         cores[:-1], env)
+        runs["inflight_k2_split"] = train(work / "inflight", model, args.steps,
+                                          [*ray_run, "rollout.max_staleness=2", "rollout.staleness_mode=inflight"],
+                                          cores[:-1], env)
         measured = {name: rows[args.skip:] for name, rows in runs.items()}
         predicted = simulate_runs(recipe, model, measured["lockstep_split"], len(cores))
         step = {name: mean(rows, "time/step") for name, rows in measured.items()}
@@ -159,9 +166,16 @@ def main() -> int:
         print(f"locked_k1_learner_wait_s: {mean(locked, 'time/learner_wait'):.4f}")
         print(f"locked_k1_rollout_wait_s: {mean(locked, 'time/rollout_wait'):.4f}")
         print(f"locked_k1_version_lag: {mean(locked, 'rollout/version_lag'):.2f}")
+        inflight = measured["inflight_k2_split"]
+        for key in ("rollout/token_version_lag", "rollout/token_version_lag_max", "rollout/mixed_version_traces",
+                    "rollout/weight_swaps", "time/weight_swap"):
+            print(f"inflight_k2_{key.split('/')[1]}: {mean(inflight, key):.4f}")
         print(f"async_over_sync_step_time: {step['locked_k1_split'] / step['lockstep_both_cores']:.3f}")
+        print(f"inflight_over_sync_step_time: {step['inflight_k2_split'] / step['lockstep_both_cores']:.3f}")
         print(f"async_over_split_sync_step_time: {step['locked_k1_split'] / step['lockstep_split']:.3f}")
         print(f"sim_error: {abs(predicted['locked_k1_split'] - step['locked_k1_split']) / step['locked_k1_split']:.3f}")
+        inflight_error = abs(predicted['inflight_k2_split'] - step['inflight_k2_split']) / step['inflight_k2_split']
+        print(f"sim_error_inflight: {inflight_error:.3f}")
     finally:
         if address is not None:
             import ray

@@ -14,6 +14,7 @@ eval, in training). The quickstart's figures, against which each seed is paired,
 
     python eval/variant_seeds.py lora --seeds 0,1,2,3,4        # trains what is missing, then reports
     python eval/variant_seeds.py locked-k1 --seeds 0,1,2,3,4
+    python eval/variant_seeds.py inflight-k2 --seeds 0,1,2,3,4
     python eval/variant_seeds.py lora --seeds 0 --work runs/quick   # a quicker look (about 17 min a seed)
 
 Writes `results.json` and `table.md` under `--out` (default eval/ablation/VARIANT).
@@ -33,7 +34,8 @@ from anytime.core.stats import mean_ci
 REPO = Path(__file__).resolve().parents[1]
 FULL_RUNG = "+vr (AR-linear)"      # the quickstart's rung of eval/ablation.py
 # training metrics reported as each run's mean over its steps (staleness, off-policy weights, PPO's clip)
-RUN_METRICS = ("rollout/version_lag", "train/logprob_mismatch", "update/clip_frac", "offpolicy/is_weight_mean",
+RUN_METRICS = ("rollout/version_lag", "rollout/token_version_lag", "rollout/token_version_lag_max",
+               "rollout/mixed_version_traces", "train/logprob_mismatch", "update/clip_frac", "offpolicy/is_weight_mean",
                "offpolicy/is_weight_max", "offpolicy/is_clipped_frac", "offpolicy/is_ess")
 # name -> (recipe, overrides) of the RL phase; the warm start is always the quickstart's
 VARIANTS = {
@@ -41,6 +43,9 @@ VARIANTS = {
     "lora": ("recipes/quickstart_lora.yaml", []),
     "locked-k1": ("recipes/quickstart.yaml", ["rollout.max_staleness=1"]),
     "locked-k1-tis": ("recipes/quickstart.yaml", ["rollout.max_staleness=1", "algorithm.offpolicy_correction=tis"]),
+    # in flight needs workers of their own: one Ray actor beside the learner
+    "inflight-k2": ("recipes/quickstart.yaml", ["rollout.max_staleness=2", "rollout.staleness_mode=inflight",
+                                                "rollout.placement=ray"]),
 }
 
 

@@ -44,6 +44,9 @@ class AnytimeRollout:
     close_ids: tuple[int, ...]
     header_ids: tuple[int, ...]
     timings: dict[str, float] = field(default_factory=dict)
+    # the weight version of each sampled token, where the engine takes weights mid-generation
+    think_versions: torch.Tensor | None = None     # [B, G, L] long
+    summary_versions: torch.Tensor | None = None   # [B, G, S, A, M] long
 
     @property
     def budget_scores(self) -> torch.Tensor:

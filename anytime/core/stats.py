@@ -30,7 +30,8 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 
 def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
-    """Add `part`'s sums into `total` (and return it): metrics kept as sums add up exactly."""
+    """Add `part`'s sums into `total` (and return it): metrics kept as sums add up exactly; a key
+    under `max/` keeps the largest value instead."""
     for k, v in part.items():
-        total[k] = total.get(k, 0.0) + v
+        total[k] = max(total.get(k, v), v) if k.startswith("max/") else total.get(k, 0.0) + v
     return total

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +83,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # the weight version that computed each token's distribution; empty where the engine does not
+    # take weights mid-generation (every token then has the version the engine held)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class Branch:
     def __post_init__(self) -> None:
         object.__setattr__(self, "suffix", tuple(int(t) for t in self.suffix))
 
+
+# A source of in-flight weights, polled by the engine between decoding steps: called with the version
+# the engine holds, it returns a newer (version, Hugging Face named tensors), or None.
+WeightSource = Callable[[int], tuple[int, list[tuple[str, torch.Tensor]]] | None]
 
 # plan(k, trace) -> the branches of trace k (k = prompt index · n + sample index) on the prefix
 # prompt + trace.token_ids; see `RolloutEngine.generate_anytime`.
@@ -189,6 +196,36 @@ class RolloutEngine(abc.ABC):
         or wrong shapes raise ValueError before anything is copied (a bad update leaves the old
         weights intact)."""
         self._check_open()
+        self._load_weights(self._checked_updates(named_tensors))
+
+    # ---- in-flight weight updates (`rollout.staleness_mode: inflight`) ------------------------
+    # An engine that can swap weights between decoding steps polls `weight_source` there (and
+    # before each prefill): generation pauses only for the copy, unfinished sequences continue with
+    # the new weights over the keys/values cached under the old ones (as PipelineRL does), and each
+    # token records the version that computed its distribution (`Completion.versions`).
+    supports_inflight_updates = False
+    version = 0                      # the weight version the engine holds (set by in-flight swaps)
+    swaps = 0                        # in-flight swaps so far, and the seconds generation paused for them
+    swap_seconds = 0.0
+    weight_source: WeightSource | None = None
+
+    def poll_weights(self) -> None:
+        """Take newer weights from `weight_source`, if it has any."""
+        source = self.weight_source
+        offer = source(self.version) if source is not None else None
+        if offer is None:
+            return
+        version, named_tensors = offer
+        start = time.perf_counter()
+        self._swap_weights(self._checked_updates(named_tensors))
+        self.version, self.swaps = version, self.swaps + 1
+        self.swap_seconds += time.perf_counter() - start
+
+    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy checked weights in place mid-generation, keeping every cache."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights between decoding steps")
+
+    def _checked_updates(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         updates = [(name, t.detach()) for name, t in named_tensors]
         shapes = self._weight_shapes
         unknown = [name for name, _ in updates if name not in shapes]
@@ -200,7 +237,7 @@ class RolloutEngine(abc.ABC):
         wrong = [(n, tuple(t.shape), shapes[n]) for n, t in updates if tuple(t.shape) != shapes[n]]
         if wrong:
             raise ValueError(f"update_weights shape mismatch (name, given, expected): {wrong[:3]}")
-        self._load_weights(updates)
+        return updates
 
     # Whether `update_adapter` merges LoRA factors itself (adapter-sized weight sync); engines that
     # do not take full merged weights through `update_weights`.

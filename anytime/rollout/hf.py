@@ -202,6 +202,16 @@ class HFEngine(RolloutEngine):
         for name, tensor in updates:
             targets[name].copy_(tensor)
 
+    supports_inflight_updates = True
+
+    @torch.no_grad()
+    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        # unlike `_load_weights`, the caches stay: the sequences in flight continue over them
+        targets = self.model.state_dict(keep_vars=True)
+        self._adapter_base.clear()
+        for name, tensor in updates:
+            targets[name].copy_(tensor)
+
     accepts_adapters = True
 
     @torch.no_grad()
@@ -310,7 +320,8 @@ class HFEngine(RolloutEngine):
         return Cache(layers=[_PreallocatedLayer(capacity) for _ in range(self._n_layers)])
 
     def _prefill(self, prompts: list[list[int]], max_new_tokens: int) -> _Batch:
-        """Left-padded prefill of whole prompts, one row per prompt."""
+        """Left-padded prefill of whole prompts, one row per prompt (with the newest weights)."""
+        self.poll_weights()
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -345,6 +356,7 @@ class HFEngine(RolloutEngine):
     def _start_branches(self, prefixes: list[list[int]], branches: list[list[Branch]], max_new_tokens: int) -> _Batch:
         """One row per branch: the prefix KV cut at the branch's cut, then the suffix tokens fed;
         returns the batch ready to sample each branch's first token."""
+        self.poll_weights()
         # A branch needs next-token logits at its end, so at least its last prompt token must be
         # fed: an empty suffix re-feeds the token before the cut (cut >= 1: empty prompts are rejected).
         targets = [[b.cut if b.suffix else b.cut - 1 for b in brs] for brs in branches]
@@ -436,6 +448,8 @@ class HFEngine(RolloutEngine):
         n_rows = batch.mask.shape[0]
         token_ids: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+        versions: list[list[int]] = [[] for _ in range(n_rows)]
+        logits_version = self.version   # the weights that computed `batch.logits`
         finish: list[str] = ["length"] * n_rows
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         live = torch.arange(n_rows, device=self.device)  # original row of each batch row
@@ -448,6 +462,7 @@ class HFEngine(RolloutEngine):
                 if not done_cpu[b]:
                     token_ids[r].append(tok_cpu[b])
                     logprobs[r].append(lp_cpu[b])
+                    versions[r].append(logits_version)
             if stop.numel():
                 hit = torch.isin(tokens, stop) & ~done
                 for b in hit.nonzero().flatten().tolist():
@@ -466,8 +481,10 @@ class HFEngine(RolloutEngine):
                 tokens, live, done = tokens[keep], live[keep], done[keep]
             ones = torch.ones((tokens.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
             mask = torch.cat([batch.mask, ones], dim=1)
+            self.poll_weights()
+            logits_version = self.version
             logits = self._forward(tokens[:, None], mask, batch.positions[:, None], batch.cache)
             batch = _Batch(batch.cache, mask, batch.positions + 1, logits)
         if retain is not None:
             self._keep_rows(batch, list(range(len(live))), live.tolist(), token_ids, retain)
-        return [Completion(t, lp, f) for t, lp, f in zip(token_ids, logprobs, finish)]
+        return [Completion(t, lp, f, v) for t, lp, f, v in zip(token_ids, logprobs, finish, versions)]

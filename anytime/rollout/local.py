@@ -57,7 +57,7 @@ class InProcessRollouts:
                 ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         return handle
 
-    def sync_weights(self, learner: Any) -> None:
+    def sync_weights(self, learner: Any, version: int = 0) -> None:
         update = adapter_of(learner)
         if update is not None:  # LoRA: adapter-sized where the engine merges it
             if self.worker is not None:
@@ -128,7 +128,7 @@ class ColocatedRollouts(InProcessRollouts):
         per_worker = all_gather_object((sums, timings))
         return batch, step_metrics([s for s, _ in per_worker], self.recipe), slowest([t for _, t in per_worker])
 
-    def sync_weights(self, learner: Any) -> None:
+    def sync_weights(self, learner: Any, version: int = 0) -> None:
         update = adapter_of(learner)
         if update is not None:
             self.worker.sync_adapter(learner, update)

@@ -63,8 +63,8 @@ class Rollouts(Protocol):
     def collect(self, handle: Any) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         """What `rollout` returns, for a submitted rollout (handles are collected in submission order)."""
 
-    def sync_weights(self, learner: Any) -> None:
-        """Bring the learner's weights to every worker."""
+    def sync_weights(self, learner: Any, version: int = 0) -> None:
+        """Bring the learner's weights (`version`: the updates in them) to every worker."""
 
     def on_first_worker(self, fn: Callable[[RolloutWorker], T]) -> T:
         """`fn(worker)` on the first rollout worker (wherever it lives), its result on every rank;

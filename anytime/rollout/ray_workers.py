@@ -73,13 +73,18 @@ class RolloutActor:
     def pin(self, index: int, count: int) -> list[int]:
         return pin_cpus(index, count)
 
-    def rollout(self, prompts: list[list[int]], golds: list[Any], step: int, index: list[int], num_prompts: int
-                ) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, float], dict[str, float]]:
-        batch, sums, timings = self.worker.rollout(prompts, golds, step, index, num_prompts)
+    def rollout(self, prompts: list[list[int]], golds: list[Any], step: int, index: list[int], num_prompts: int,
+                min_version: int = 0) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, float], dict[str, float]]:
+        batch, sums, timings = self.worker.rollout(prompts, golds, step, index, num_prompts, min_version)
         return to_numpy(batch.to_tensors()), sums, timings
 
     def update_weights(self, arrays: dict[str, tuple[np.ndarray, str]]) -> None:
         self.worker.update_weights(from_numpy(arrays).items())
+
+    def offer_weights(self, arrays: dict[str, tuple[np.ndarray, str]], version: int) -> None:
+        """In-flight weights (called in the `weights` concurrency group, beside a rollout in progress):
+        converted here, taken by the engine at its next decoding step."""
+        self.worker.offer_weights(version, from_numpy(arrays).items())
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.worker.engine.init_weight_group(host, port, rank, world_size)
@@ -87,7 +92,8 @@ class RolloutActor:
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         self.worker.engine.receive_weights(layout)
 
-    def apply(self, fn: Callable[[Any], Any]) -> Any:
+    def apply(self, fn: Callable[[Any], Any], min_version: int = 0) -> Any:
+        self.worker.wait_for_version(min_version)
         return self.worker.apply(fn)
 
     def sleep(self) -> None:
@@ -130,6 +136,9 @@ class RayRollouts:
         self._pg = self._sender = None
         self._syncs: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of weight syncs not yet confirmed
         self._started_ray = False
+        self._inflight = recipe.rollout.staleness_mode == "inflight"
+        self._offered = 0           # in flight: the newest version offered to the actors
+        self._offers: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of offers not yet seen through
         self._weights: Any = None   # the latest object-store weights, kept while restarts may need them
         self._holds: list[Any] = []   # the weights each actor holds (None = those it started with)
         self._restarts: list[int] = []
@@ -162,7 +171,9 @@ class RayRollouts:
                              "cannot join the NCCL weight group")
         self._pg = placement_group([bundle] * r.workers, strategy="PACK")
         ray.get(self._pg.ready(), timeout=600)
-        self._spawn_args = (ray.remote(RolloutActor), recipe, model_path, pad_id, gpus)
+        # in-flight weights arrive on a thread of their own while the default one generates
+        actor_class = ray.remote(concurrency_groups={"weights": 1})(RolloutActor)
+        self._spawn_args = (actor_class, recipe, model_path, pad_id, gpus)
         self.actors = [self._spawn(i) for i in range(r.workers)]
         self._holds, self._restarts = [None] * r.workers, [0] * r.workers
         where = self._get([a.where.remote() for a in self.actors], "start-up")
@@ -284,7 +295,8 @@ class RayRollouts:
         n = len(prompts)
         chunks = [local_share(range(n), i, len(self.actors)) for i in range(len(self.actors))]
         calls = [([list(prompts[j]) for j in c], [golds[j] for j in c], c) for c in chunks]
-        refs = [a.rollout.remote(p, g, step, c, n) for a, (p, g, c) in zip(self.actors, calls)]
+        # in flight, the version the learner offered last: the actors start no earlier (step - k)
+        refs = [a.rollout.remote(p, g, step, c, n, self._offered) for a, (p, g, c) in zip(self.actors, calls)]
         return Submitted(step, refs, list(self.actors), calls, n, self._weights)
 
     def _results(self, h: Submitted) -> list[Any]:
@@ -305,6 +317,7 @@ class RayRollouts:
         shares, metrics, timings = None, None, {}
         if self.actors:
             self._wait_for_syncs()
+            self._check_offers()
             results = self._results(handle)
             batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
             shares = shares_by_rank(batch, self.learner)
@@ -323,14 +336,35 @@ class RayRollouts:
             except Exception as exc:
                 self._replace_if_dead(i, actor, exc, "the weight sync")   # the rollout that follows regenerates
 
-    def sync_weights(self, learner: Any) -> None:
-        """The learner's weights to every actor. With `rollout.max_staleness` > 0 the call returns once
-        the weights are handed over (the actors take them after their rollouts in flight; a failure
-        surfaces at the next `collect`); at 0 it returns when every actor has them."""
+    def _check_offers(self) -> None:
+        """Surface the failure of an in-flight weight offer that has finished (the rest stay pending)."""
+        import ray
+
+        if not self._offers:
+            return
+        done, _ = ray.wait([ref for _, _, ref in self._offers], num_returns=len(self._offers), timeout=0)
+        finished = set(done)
+        for i, _, ref in self._offers:
+            if ref in finished:
+                self._get_one(i, ref, "an in-flight weight offer")
+        self._offers = [o for o in self._offers if o[2] not in finished]
+
+    def sync_weights(self, learner: Any, version: int = 0) -> None:
+        """The learner's weights (`version`: the number of updates in them) to every actor. With
+        `rollout.max_staleness` > 0 the call returns once the weights are handed over: in `locked`
+        mode the actors take them after their rollouts in flight, in `inflight` mode at their next
+        decoding step (a failure surfaces at the next `collect`); at 0 it returns when every actor
+        has them."""
         import ray
 
         state = learner.full_state_dict()  # collective; complete on rank 0
         if not self.actors:
+            return
+        if self._inflight:
+            ref = ray.put(to_numpy(state))
+            self._offers.extend((i, a, a.offer_weights.options(concurrency_group="weights").remote(ref, version))
+                                for i, a in enumerate(self.actors))
+            self._offered = version
             return
         if self._sender is not None:
             # NCCL is a collective with the actors: it waits for their rollouts in flight
@@ -349,8 +383,8 @@ class RayRollouts:
     def on_first_worker(self, fn: Callable[[Any], T]) -> T:
         if self.actors:
             self._wait_for_syncs()
-        return broadcast_object(self._get([self.actors[0].apply.remote(fn)], getattr(fn, "__name__", "a call"))[0]
-                                if self.actors else None)
+        return broadcast_object(self._get([self.actors[0].apply.remote(fn, self._offered)],
+                                          getattr(fn, "__name__", "a call"))[0] if self.actors else None)
 
     def sleep(self) -> None:
         if self.actors:

@@ -161,6 +161,10 @@ class AnytimeRolloutRunner:
         assert len(verdicts) == B * G * per_trace
 
         cuts = [br.cut for branches, _ in plans for br in branches]
+        stamped = all(len(c.versions) == len(c.token_ids) for c in (*traces, *summaries))
+        versions = {"think_versions": padded([c.versions for c in traces], torch.long, (B, G)),
+                    "summary_versions": padded([c.versions for c in summaries], torch.long, (B, G, S, A))
+                    } if stamped else {}
         return AnytimeRollout(
             budgets=budgets, golds=list(golds),
             prompt_ids=padded(prompts, torch.long, (B,)),
@@ -180,4 +184,4 @@ class AnytimeRolloutRunner:
             scores=torch.tensor([v.score for v in verdicts], dtype=torch.float32).view(B, G, S, A),
             reasons=torch.tensor([REASONS.index(v.reason) for v in verdicts], dtype=torch.long).view(B, G, S, A),
             answers=[v.parsed for v in verdicts], texts=texts,
-            close_ids=tuple(self.close_ids), header_ids=tuple(self.header_ids), timings=timings)
+            close_ids=tuple(self.close_ids), header_ids=tuple(self.header_ids), timings=timings, **versions)

@@ -18,6 +18,7 @@ from anytime.algo.budget import anytime_score
 from anytime.batch.anytime_rollout import AnytimeRollout
 from anytime.batch.packing import build_train_batch
 from anytime.batch.train_batch import TrainBatch
+from anytime.rollout.inflight import WeightMailbox, version_sums
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import engine_max_len, training_settings
 
@@ -64,6 +65,11 @@ def rollout_metrics(sums: dict[str, float], budgets: Sequence[int], probs: Seque
     for reason, count in reasons.items():
         metrics[f"verifier/{reason}"] = count / sum(reasons.values())
     metrics["train/rows"] = int(sums["rows"])
+    if "token_lag_n" in sums:   # in-flight weights: each token's own staleness
+        metrics["rollout/token_version_lag"] = sums["token_lag_sum"] / max(sums["token_lag_n"], 1.0)
+        metrics["rollout/token_version_lag_max"] = sums["max/token_lag"]
+        metrics["rollout/mixed_version_traces"] = sums["mixed_version_traces"] / sums["traces"]
+        metrics["rollout/weight_swaps"] = sums["weight_swaps"]
     return metrics
 
 
@@ -89,23 +95,36 @@ class RolloutWorker:
                                     **kwargs)
         self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
         self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
+        self.mailbox: WeightMailbox | None = None
+        if r.rollout.staleness_mode == "inflight":
+            if not self.engine.supports_inflight_updates:
+                raise ValueError(f"`rollout.staleness_mode: inflight` needs an engine that takes weights between "
+                                 f"decoding steps; the {r.rollout.engine} engine does not: use rollout.engine=hf")
+            self.mailbox = WeightMailbox()
+            self.engine.weight_source = self.mailbox.take
         self._merged_logged = False
         self._idle_since: float | None = None   # when the last rollout ended (its wait for the next one)
 
     def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int,
-                prompt_index: Sequence[int] | None = None, num_prompts: int | None = None
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+                prompt_index: Sequence[int] | None = None, num_prompts: int | None = None,
+                min_version: int = 0) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         """One step's rollout of some of its prompts → (train batch, metric sums, stage timings).
 
         `prompt_index` places these prompts in the whole step (its seeds and mini-batches follow it)
         and `num_prompts` is the step's size; the batch's prompt indices are global. Metric sums of
-        several workers add up (see `rollout_metrics`)."""
+        several workers add up (see `rollout_metrics`). With in-flight weights the rollout first waits
+        for `min_version` (step − k) to be in hand."""
         r = self.recipe
         index = list(range(len(prompts))) if prompt_index is None else list(prompt_index)
         start = time.perf_counter()
         waited = {} if self._idle_since is None else {"rollout_wait": start - self._idle_since}
+        swaps, swap_s = self.engine.swaps, self.engine.swap_seconds
+        if self.mailbox is not None:
+            self.mailbox.wait_for(min_version, self.engine.version, timeout_s=3600)
         rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step, prompt_index=index)
         timings = dict(rollout.timings)
+        if self.mailbox is not None:
+            timings["weight_swap"] = self.engine.swap_seconds - swap_s
         adv_start = time.perf_counter()
         scores = rollout.budget_scores.double()  # [B, G, S]
         t_adv = thinking_advantages(r.algorithm.estimator, scores, self.probs, decay=r.algorithm.decay,
@@ -119,6 +138,8 @@ class RolloutWorker:
         timings["adv"] = time.perf_counter() - adv_start
         # `train/rows` counts trained sequences (a thinking trace or a summary), whatever the layout
         sums = rollout_sums(rollout, t_adv, s_adv, int(batch.sequences.sum()))
+        if self.mailbox is not None:
+            sums.update(version_sums(rollout, step), weight_swaps=float(self.engine.swaps - swaps))
         sums["rollout_seconds"] = time.perf_counter() - start
         self._idle_since = time.perf_counter()
         return batch, sums, {**timings, **waited}
@@ -130,6 +151,17 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
+
+    def offer_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In-flight weights: the engine takes them at its next decoding step (safe from another thread)."""
+        if self.mailbox is None:
+            raise RuntimeError("offer_weights is for `rollout.staleness_mode: inflight`; use update_weights")
+        self.mailbox.offer(version, named_tensors)
+
+    def wait_for_version(self, version: int) -> None:
+        """Until this worker's engine holds `version` or will take it at its next step (in-flight only)."""
+        if self.mailbox is not None:
+            self.mailbox.wait_for(version, self.engine.version, timeout_s=3600)
 
     def sync_adapter(self, learner: Any, update: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> int:
         """A LoRA learner's weights into this worker's engine: only the adapter's factors (`update`)

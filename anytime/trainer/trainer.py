@@ -183,7 +183,7 @@ class Trainer:
         with self.timer.stage("sync"):
             if self.recipe.rollout.enable_sleep:
                 self.rollouts.wake_up()
-            self.rollouts.sync_weights(self.learner)
+            self.rollouts.sync_weights(self.learner, version)
         self._weights_version = version
 
     def evaluate(self, step: int) -> dict[str, Any]:

@@ -82,9 +82,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.6, "vLLM on a GPU: share of the GPU memory the engine may take")
     enable_sleep: bool = opt(False, "GPU: the engine sleeps during the learner update and wakes for the weight sync")
     placement: Annotated[str, Choice(PLACEMENTS, "auto")] = opt(
-        "auto", "where rollout workers run: inprocess (learner rank 0), colocated (every learner rank), ray; auto = "
+        "auto", "where rollout workers run: inprocess (learner rank 0), colocated (every learner rank), ray, "
+                "processes (local processes without Ray); auto = "
                 "inprocess with one learner process, else colocated")
-    workers: int = opt(1, "Ray rollout actors (placement: ray)")
+    workers: int = opt(1, "rollout worker processes (placement: ray or processes)")
     ray_cpus_per_worker: float = opt(1.0, "CPUs each Ray rollout actor reserves")
     ray_gpus_per_worker: float | None = opt(
         None, "GPUs each Ray rollout actor reserves; null = 1 when CUDA is available, else 0")
@@ -384,28 +385,27 @@ def validate(r: Recipe) -> None:
         _require(abs(sum(b.probs) - 1.0) <= 1e-6, f"`budget.probs` must sum to 1, got {sum(b.probs):.6g}")
     else:
         _require(b.probs is None, f"`budget.probs` is only used with `budget.prior: explicit` (prior is {b.prior!r})")
-    _require(r.rollout.workers == 1 or r.rollout.placement == "ray",
-             f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: ray`; the colocated placement "
-             "runs one worker per learner process (raise learner.num_processes)")
+    apart = r.rollout.placement in ("ray", "processes")   # workers in processes of their own
+    _require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
+             "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
     k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
         r.rollout.placement == "auto" and r.learner.num_processes > 1)
     _require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
-    _require(r.rollout.worker_restarts >= 0, f"`rollout.worker_restarts` must be >= 0, got {r.rollout.worker_restarts}")
-    _require(r.rollout.worker_restarts == 0 or r.rollout.placement == "ray",
-             "`rollout.worker_restarts` restarts Ray actors: it needs `rollout.placement: ray`")
+    _require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
+             f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")
     _require(k == 0 or not (shared or r.rollout.enable_sleep),
              "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
-             "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` (or inprocess, "
-             "which keeps the same samples without the overlap)")
+             "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` or processes "
+             "(or inprocess, which keeps the same samples without the overlap)")
     for ok, need in ((k >= 1, "`rollout.max_staleness` >= 1 (the versions a batch may span)"),
-                     (r.rollout.placement == "ray", "workers in their own processes: `rollout.placement: ray`"),
+                     (apart, "workers in their own processes: `rollout.placement: ray` or `processes`"),
                      (r.rollout.engine == "hf", "`rollout.engine: hf` (vLLM's generate call hides its decoding steps)"),
                      (r.rollout.weight_sync != "nccl", "`rollout.weight_sync: object_store` (NCCL is a collective the "
                                                        "generating workers cannot join)"),
                      (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
                                                       "weights a rollout started from, which inflight does not keep)")):
         _require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
-    _require(r.rollout.placement != "ray" or r.rollout.workers <= r.rollout.prompts_per_step,
+    _require(not apart or r.rollout.workers <= r.rollout.prompts_per_step,
              f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
              f"({r.rollout.prompts_per_step}): every worker needs a prompt")
     for key in ("rollout.n", "rollout.prompts_per_step", "rollout.workers", "summary.n", "summary.max_tokens",

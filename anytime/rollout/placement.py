@@ -5,7 +5,9 @@
 - `colocated`: a `RolloutWorker` on every learner rank (the default with several): each rolls out
   the prompts whose rows it trains, so no batch travels (pipeline stages of one replica split the
   replica's prompts and exchange their rows); on a GPU the engine sleeps during the update;
-- `ray`: `rollout.workers` Ray actors, own processes and devices (`anytime.rollout.ray_workers`).
+- `ray`: `rollout.workers` Ray actors, own processes and devices (`anytime.rollout.ray_workers`);
+- `processes`: `rollout.workers` local processes of their own on one node, without Ray
+  (`anytime.rollout.processes`).
 
 The placements are registered in `anytime.rollout.PLACEMENTS`; the first two live in
 `anytime.rollout.local`. This module holds what they share.
@@ -21,6 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from anytime.batch.train_batch import TrainBatch
@@ -130,3 +133,22 @@ def pin_cpus(index: int, count: int) -> list[int]:
         # read by a vLLM engine that runs in its own process
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     return cores
+
+
+def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """Tensors as numpy arrays with their dtype names (bfloat16 travels as its bits), to send to or
+    from a worker process (plain pickles: no shared-memory tensor handles to outlive a process)."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().cpu().contiguous()
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        out[name] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
+    return out
+
+
+def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (a, dtype) in arrays.items():
+        t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
+        out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return out

@@ -27,7 +27,15 @@ import torch
 
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
-from anytime.rollout.placement import RolloutWorkerError, pin_cpus, shares_by_rank, slowest, step_metrics
+from anytime.rollout.placement import (
+    RolloutWorkerError,
+    from_numpy,
+    pin_cpus,
+    shares_by_rank,
+    slowest,
+    step_metrics,
+    to_numpy,
+)
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
@@ -35,24 +43,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
-    """Tensors as numpy arrays with their dtype names (bfloat16 travels as its bits)."""
-    out = {}
-    for name, t in state.items():
-        t = t.detach().cpu().contiguous()
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-        out[name] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
-    return out
-
-
-def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, (a, dtype) in arrays.items():
-        t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
-        out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
-    return out
 
 
 class RolloutActor:

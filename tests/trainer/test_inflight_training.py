@@ -1,7 +1,7 @@
-"""In-flight training end to end on a Ray actor: weights offered while the actor generates are taken
-mid-rollout, no token is older than k steps, and the swaps themselves change nothing but the weights:
-with updates too small to move a float32 weight, every version equals the first and the run samples
-and trains exactly as lock-step does."""
+"""In-flight training end to end on a worker process of its own (a Ray actor, or a local process):
+weights offered while the worker generates are taken mid-rollout, no token is older than k steps,
+and the swaps themselves change nothing but the weights: with updates too small to move a float32
+weight, every version equals the first and the run samples and trains exactly as lock-step does."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 
 from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 
-INFLIGHT = ["rollout.staleness_mode=inflight", "rollout.max_staleness=2", "rollout.placement=ray"]
+INFLIGHT = ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"]
 
 
-def train(out: Path, ray_address: str, *extra: str) -> dict[int, dict]:
+def train(out: Path, ray_address: str | None, *extra: str) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=5),
            "rollout.prompts_per_step=4", "learner.deterministic=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "RAY_ADDRESS": ray_address})
+                          env={**os.environ, **({"RAY_ADDRESS": ray_address} if ray_address else {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(out)
     timings = [line for line in (out / "metrics.jsonl").read_text().splitlines() if "time/weight_swap" in line]
@@ -29,18 +29,20 @@ def train(out: Path, ray_address: str, *extra: str) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.ray
-def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, ray_address):
+@pytest.mark.parametrize("placement", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
+def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, request):
     from tests.rollout.test_rollout_workers import assert_same_run
 
+    address = request.getfixturevalue("ray_address") if placement == "ray" else None
     still = "learner.lr=1e-30"   # an update below float32 resolution: every version holds the same weights
-    lock_step = train(tmp_path / "lock" / "run", ray_address, still, "rollout.placement=inprocess")
-    inflight = train(tmp_path / "inflight" / "run", ray_address, still, *INFLIGHT)
+    lock_step = train(tmp_path / "lock" / "run", None, still, "rollout.placement=inprocess")
+    inflight = train(tmp_path / "inflight" / "run", address, still, *INFLIGHT, f"rollout.placement={placement}")
     assert inflight.pop("timed_swaps") == 5
     lock_step.pop("timed_swaps")
     assert_same_run(lock_step, inflight)
-    # the versions did arrive (the first rollouts ran before any update, later ones took each new version)
-    assert sum(m["rollout/weight_swaps"] for m in inflight.values()) >= 3
+    # the versions did arrive: step 5's batch (0-based 4) cannot start before version 2 is in hand (how
+    # many of the four versions the worker took depends on timing: a newer offer replaces one not taken)
+    assert sum(m["rollout/weight_swaps"] for m in inflight.values()) >= 1
     for step, m in inflight.items():
         assert 0 <= m["rollout/token_version_lag"] <= m["rollout/token_version_lag_max"] <= 2, step
         assert m["rollout/version_lag"] == min(step - 1, 2)   # the version offered when it was dispatched
@@ -48,10 +50,9 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, ray_address):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
-def test_inflight_tokens_are_never_older_than_k_steps(tmp_path, ray_address):
-    metrics = train(tmp_path / "run", ray_address, "learner.lr=1e-2", "algorithm.offpolicy_correction=tis",
-                    *INFLIGHT)
+def test_inflight_tokens_are_never_older_than_k_steps(tmp_path):
+    metrics = train(tmp_path / "run", None, "learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT,
+                    "rollout.placement=processes")
     metrics.pop("timed_swaps")
     for step, m in metrics.items():
         assert m["rollout/token_version_lag_max"] <= 2, step

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from anytime.batch.train_batch import TrainBatch
-from anytime.core.dist import local_share, rank_world
+from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
 from anytime.core.stats import add_sums
 from anytime.rollout import PLACEMENTS
 from anytime.rollout.worker import RolloutWorker, rollout_metrics
@@ -152,3 +152,17 @@ def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Ten
         t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
         out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
     return out
+
+
+def scatter_results(results: Sequence[tuple[Any, dict[str, float], dict[str, float]]] | None, recipe: Recipe,
+                    learner: Any) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+    """Collective: the workers' results of one rollout (rows as `to_numpy` arrays, metric sums, stage
+    timings; on learner rank 0, None elsewhere) joined, and this rank's rows, the step's metrics and
+    the slowest worker's timings."""
+    shares, metrics, timings = None, None, {}
+    if results is not None:
+        batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
+        shares = shares_by_rank(batch, learner)
+        metrics = step_metrics([s for _, s, _ in results], recipe)
+        timings = slowest([t for _, _, t in results])
+    return TrainBatch.from_tensors(scatter_tensors(shares)), broadcast_object(metrics), timings

@@ -25,14 +25,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from anytime.batch.train_batch import TrainBatch
-from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
+from anytime.core.dist import broadcast_object, local_share, rank_world
 from anytime.rollout.placement import (
     RolloutWorkerError,
-    from_numpy,
     pin_cpus,
-    shares_by_rank,
-    slowest,
-    step_metrics,
+    scatter_results,
     to_numpy,
 )
 
@@ -242,18 +239,13 @@ class ProcessRollouts:
         return Submitted(step, tickets)
 
     def collect(self, handle: Submitted) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        shares, metrics, timings = None, None, {}
+        results = None
         if self.workers:
             what = f"the rollout of step {handle.step}"
             results = [self._result(i, t, what) for i, t in enumerate(handle.tickets)]
             self._delete_loaded_files()
             self._check_offers(block=False)
-            batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
-            shares = shares_by_rank(batch, self.learner)
-            metrics = step_metrics([s for _, s, _ in results], self.recipe)
-            timings = slowest([t for _, _, t in results])
-        mine = TrainBatch.from_tensors(scatter_tensors(shares))
-        return mine, broadcast_object(metrics), timings
+        return scatter_results(results, self.recipe, self.learner)
 
     def sync_weights(self, learner: Any, version: int = 0) -> None:
         """The learner's weights to every worker, as one file in RAM: queued behind their rollouts

@@ -26,14 +26,12 @@ import numpy as np
 import torch
 
 from anytime.batch.train_batch import TrainBatch
-from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
+from anytime.core.dist import broadcast_object, local_share, rank_world
 from anytime.rollout.placement import (
     RolloutWorkerError,
     from_numpy,
     pin_cpus,
-    shares_by_rank,
-    slowest,
-    step_metrics,
+    scatter_results,
     to_numpy,
 )
 
@@ -304,17 +302,12 @@ class RayRollouts:
         return out
 
     def collect(self, handle: Submitted) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        shares, metrics, timings = None, None, {}
+        results = None
         if self.actors:
             self._wait_for_syncs()
             self._check_offers()
             results = self._results(handle)
-            batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
-            shares = shares_by_rank(batch, self.learner)
-            metrics = step_metrics([s for _, s, _ in results], self.recipe)
-            timings = slowest([t for _, _, t in results])
-        mine = TrainBatch.from_tensors(scatter_tensors(shares))
-        return mine, broadcast_object(metrics), timings
+        return scatter_results(results, self.recipe, self.learner)
 
     def _wait_for_syncs(self) -> None:
         import ray

@@ -62,3 +62,29 @@ def test_inflight_tokens_are_never_older_than_k_steps(tmp_path):
     assert metrics[1]["offpolicy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     # later steps train on tokens of earlier versions (lr 1e-2 moves the tiny model far): the gap shows
     assert max(m["train/logprob_mismatch"] for m in metrics.values()) > 1e-3
+
+
+@pytest.mark.slow
+def test_inflight_checkpoints_lose_no_batch_in_flight(tmp_path):
+    """In flight, a checkpoint holds the batches still in flight, as in locked mode: a run resumed
+    from step 2 of k = 2 trains the very batches (tokens, versions, behaviour log-probs) of steps 3
+    and 4 that the unbroken run trained, so those steps equal it."""
+    import json
+    import shutil
+
+    from anytime.learner.checkpoint import load_in_flight
+
+    full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
+    extra = ["learner.lr=1e-2", *INFLIGHT, "rollout.placement=processes", "trainer.keep_last=5"]
+    unbroken = train(full, None, *extra)
+    unbroken.pop("timed_swaps")
+    step_2 = full / "checkpoints" / "step_2"
+    assert [s["step"] for s in load_in_flight(step_2, 0)] == [2, 3]
+    shutil.copytree(step_2, part / "checkpoints" / "step_2")
+    shutil.copytree(full.parent / "init", part.parent / "init")
+    resumed = train(part, None, *extra)
+    resumed.pop("timed_swaps")
+    for t in (3, 4):
+        assert resumed[t] == unbroken[t], t
+    assert json.loads((part / "final_eval.json").read_text())["before"] == \
+        json.loads((full / "final_eval.json").read_text())["before"]

@@ -194,13 +194,9 @@ class HFEngine(RolloutEngine):
         self._closed = False
 
     # ---- weights ------------------------------------------------------------------------------
-    @torch.no_grad()
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
-        targets = self.model.state_dict(keep_vars=True)
         self._kept.clear()  # computed with the old weights
-        self._adapter_base.clear()  # full weights are the new base of any later adapter
-        for name, tensor in updates:
-            targets[name].copy_(tensor)
+        self._swap_weights(updates)
 
     supports_inflight_updates = True
 
@@ -208,7 +204,7 @@ class HFEngine(RolloutEngine):
     def _swap_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         # unlike `_load_weights`, the caches stay: the sequences in flight continue over them
         targets = self.model.state_dict(keep_vars=True)
-        self._adapter_base.clear()
+        self._adapter_base.clear()  # full weights are the new base of any later adapter
         for name, tensor in updates:
             targets[name].copy_(tensor)
 

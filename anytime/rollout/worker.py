@@ -119,8 +119,7 @@ class RolloutWorker:
         start = time.perf_counter()
         waited = {} if self._idle_since is None else {"rollout_wait": start - self._idle_since}
         swaps, swap_s = self.engine.swaps, self.engine.swap_seconds
-        if self.mailbox is not None:
-            self.mailbox.wait_for(min_version, self.engine.version, timeout_s=3600)
+        self.wait_for_version(min_version)
         rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step, prompt_index=index)
         timings = dict(rollout.timings)
         if self.mailbox is not None:

@@ -44,27 +44,45 @@ from anytime.config import load_recipe
 from anytime.core.stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = str(REPO / "recipes" / "quickstart.yaml")
-BUDGETS = [16, 32, 48, 64]
-DENSE = [f"budget.budgets=[{','.join(map(str, BUDGETS))}]"]
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 
-# Each rung changes one factor of the one above it (the paper's n_summary / summary_method /
-# budgets / prior / variance_reduction).
-LADDER = {
-    "GRPO": ["budget.budgets=[64]", "budget.prior=base", "summary.n=1", "summary.estimator=grpo",
-             "algorithm.variance_reduction=v2only"],
-    "+linear": [*DENSE, "budget.prior=linear", "summary.n=1", "summary.estimator=grpo",
-                "algorithm.variance_reduction=v2only"],
-    "+decouple": [*DENSE, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
-                  "algorithm.variance_reduction=v2only"],
-    "+vr (AR-linear)": [*DENSE, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
-                        "algorithm.variance_reduction=brpo"],
-    "AR-uniform": [*DENSE, "budget.prior=uniform", "summary.n=2", "summary.estimator=brpo",
-                   "algorithm.variance_reduction=brpo"],
-}
 
+def ladder(budgets: list[int]) -> dict[str, list[str]]:
+    """The rungs as recipe overrides for a budget grid: each changes one factor of the one above it (the
+    paper's n_summary / summary_method / budgets / prior / variance_reduction). GRPO is rewarded at the
+    largest budget only."""
+    dense = [f"budget.budgets=[{','.join(map(str, budgets))}]"]
+    return {
+        "GRPO": [f"budget.budgets=[{budgets[-1]}]", "budget.prior=base", "summary.n=1", "summary.estimator=grpo",
+                 "algorithm.variance_reduction=v2only"],
+        "+linear": [*dense, "budget.prior=linear", "summary.n=1", "summary.estimator=grpo",
+                    "algorithm.variance_reduction=v2only"],
+        "+decouple": [*dense, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
+                      "algorithm.variance_reduction=v2only"],
+        "+vr (AR-linear)": [*dense, "budget.prior=linear", "summary.n=2", "summary.estimator=brpo",
+                            "algorithm.variance_reduction=brpo"],
+        "AR-uniform": [*dense, "budget.prior=uniform", "summary.n=2", "summary.estimator=brpo",
+                       "algorithm.variance_reduction=brpo"],
+    }
+
+
+LADDER = ladder([16, 32, 48, 64])   # the quickstart's grid: the names, and what results.json records for it
 
 WARM = "warm start"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What every run of a sweep shares: its recipe file, that recipe's budget grid and the rungs over it."""
+
+    recipe: str
+    budgets: list[int]
+    rungs: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, recipe_path: str, overrides: list[str]) -> Sweep:
+        budgets = load_recipe(recipe_path, overrides).budget.grid()
+        return cls(recipe_path, budgets, ladder(budgets))
 
 
 @dataclass(frozen=True)
@@ -105,19 +123,25 @@ def continue_from(old: Path, run: Path, steps: int) -> float:
     return float((old / "ablation_seconds.txt").read_text())
 
 
-def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: list[str], scoring: list[Protocol],
-             extend_from: Path | None = None) -> dict[str, dict]:
+def run_seed(sweep: Sweep, seed: int, steps: int, work: Path, variants: list[str], overrides: list[str],
+             scoring: list[Protocol], extend_from: Path | None = None,
+             warm_from: Path | None = None) -> dict[str, dict]:
     """Warm start for one seed, then every variant from it; the wall seconds of each run (RL plus its
     two in-training evals; an extended run's include the shorter run's) and, under `_eval`, every
-    policy's held-out accuracy per budget under each protocol."""
+    policy's held-out accuracy per budget under each protocol. The warm start is linked from
+    `extend_from` or `warm_from` (another sweep's --work) when given, else built."""
     from anytime.trainer.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
     shared = work / f"seed{seed}" / "warm_start"
-    if extend_from is not None and not shared.exists():
+    linked = extend_from or warm_from
+    if linked is not None and not shared.exists():
+        source = linked / f"seed{seed}" / "warm_start"
+        if not (source / "sft_model" / "sft_done.txt").is_file():
+            raise FileNotFoundError(f"{source} holds no finished warm start; build it there first, or drop the link")
         shared.parent.mkdir(parents=True, exist_ok=True)
-        shared.symlink_to((extend_from / f"seed{seed}" / "warm_start").resolve(), target_is_directory=True)
-    sft = prepare_model(load_recipe(RECIPE, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
+        shared.symlink_to(source.resolve(), target_is_directory=True)
+    sft = prepare_model(load_recipe(sweep.recipe, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
     curve = json.loads((Path(sft) / "sft_loss.json").read_text())
     out: dict[str, dict] = {"_warm_start": {"path": str(sft), "sft_seconds": curve["seconds"],
                                             "sft_loss": [round(x, 4) for x in curve["loss"]]}}
@@ -129,15 +153,16 @@ def run_seed(seed: int, steps: int, work: Path, variants: list[str], overrides: 
             if extend_from is not None:
                 earlier = continue_from(extend_from / f"seed{seed}" / run_name(name), run, steps)
             common = base + [f"model.path={sft}", "model.tiny=false", "sft.steps=0", f"trainer.steps={steps}",
-                             f"trainer.output_dir={run}", f"eval.budgets={BUDGETS}", f"trainer.save_every={steps}",
+                             f"trainer.output_dir={run}", f"eval.budgets={sweep.budgets}",
+                             f"trainer.save_every={steps}",
                              "trainer.resume=never" if extend_from is None else "trainer.resume=auto"]
             start = time.perf_counter()
-            if launch_train(RECIPE, common + LADDER[name]) != 0:
+            if launch_train(sweep.recipe, common + sweep.rungs[name]) != 0:
                 raise RuntimeError(f"seed {seed}, {name}: training failed (see {run})")
             timing.write_text(f"{earlier + time.perf_counter() - start:.1f}\n")
         out[name] = {"seconds": float(timing.read_text()) if timing.is_file() else None}
     models = {WARM: Path(sft), **{name: final_checkpoint(work / f"seed{seed}" / run_name(name)) for name in variants}}
-    out["_eval"] = {protocol.name: score(models, work / f"seed{seed}", protocol, base) for protocol in scoring}
+    out["_eval"] = {protocol.name: score(sweep, models, work / f"seed{seed}", protocol, base) for protocol in scoring}
     return out
 
 
@@ -150,7 +175,8 @@ def final_checkpoint(run: Path) -> Path:
     return saved[-1]
 
 
-def score(models: dict[str, Path], folder: Path, protocol: Protocol, overrides: list[str]) -> dict[str, list[float]]:
+def score(sweep: Sweep, models: dict[str, Path], folder: Path, protocol: Protocol,
+          overrides: list[str]) -> dict[str, list[float]]:
     """Accuracy at every budget of each model, by one `anytime eval` under `protocol` with the sweep's
     recipe; cached in `folder/eval_<protocol>.json` while no model is newer than the cache."""
     cache = folder / f"eval_{protocol.name}.json"
@@ -159,11 +185,11 @@ def score(models: dict[str, Path], folder: Path, protocol: Protocol, overrides: 
         cached = json.loads(cache.read_text())
         if cached["models"] == paths and cached["flags"] == list(protocol.flags):
             return cached["accuracy"]
-    recipe = load_recipe(RECIPE, overrides)   # trainer.seed among them: the seed's held-out problems
+    recipe = load_recipe(sweep.recipe, overrides)   # trainer.seed among them: the seed's held-out problems
     recipe_file, out = folder / "eval_recipe.yaml", folder / f"eval_{protocol.name}"
     recipe_file.write_text(recipe.to_yaml())
     cmd = [sys.executable, "-m", "anytime.cli", "eval", "--recipe", str(recipe_file),
-           "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out), *protocol.flags,
+           "--budgets", ",".join(map(str, sweep.budgets)), "--out", str(out), *protocol.flags,
            *(arg for path in paths.values() for arg in ("--model", path))]
     # the thread count of the training runs, so that two sweeps side by side do not oversubscribe the cores
     env = {**os.environ, "OMP_NUM_THREADS": str(recipe.trainer.num_threads)}
@@ -176,10 +202,11 @@ def score(models: dict[str, Path], folder: Path, protocol: Protocol, overrides: 
 
 def summarise(raw: dict[int, dict[str, dict]], variants: list[str], protocol: str) -> dict[str, dict]:
     seeds = sorted(raw)
+    n_budgets = len(raw[seeds[0]]["_eval"][protocol][WARM])
     acc = {s: raw[s]["_eval"][protocol] for s in seeds}   # {seed: {policy: accuracy at every budget}}
     stats: dict[str, dict] = {}
     warm = [statistics.fmean(acc[s][WARM]) for s in seeds]
-    stats[WARM] = {"anytime": mean_ci(warm), "acc": [mean_ci([acc[s][WARM][j] for s in seeds]) for j in range(len(BUDGETS))]}
+    stats[WARM] = {"anytime": mean_ci(warm), "acc": [mean_ci([acc[s][WARM][j] for s in seeds]) for j in range(n_budgets)]}
     for name in variants:
         after = [statistics.fmean(acc[s][name]) for s in seeds]
         stats[name] = {
@@ -187,20 +214,20 @@ def summarise(raw: dict[int, dict[str, dict]], variants: list[str], protocol: st
             "gain": mean_ci([a - w for a, w in zip(after, warm)]),
             "gain_per_seed": [a - w for a, w in zip(after, warm)],
             "seconds": [raw[s][name].get("seconds") for s in seeds],
-            "acc": [mean_ci([acc[s][name][j] for s in seeds]) for j in range(len(BUDGETS))],
+            "acc": [mean_ci([acc[s][name][j] for s in seeds]) for j in range(n_budgets)],
             "vs_grpo": mean_ci([a - statistics.fmean(acc[s]["GRPO"]) for a, s in zip(after, seeds)])
             if "GRPO" in variants else None,
             "acc_vs_grpo": [mean_ci([acc[s][name][j] - acc[s]["GRPO"][j] for s in seeds])
-                            for j in range(len(BUDGETS))] if "GRPO" in variants else None,
+                            for j in range(n_budgets)] if "GRPO" in variants else None,
         }
     return stats
 
 
-def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: Protocol) -> str:
+def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: Protocol, budgets: list[int]) -> str:
     def fmt(m: tuple[float, float]) -> str:
         return f"{m[0]:.3f} ± {m[1]:.3f}"
 
-    head = ["policy", "anytime score", "gain over warm start", "vs GRPO (paired)", *(f"acc@{b}" for b in BUDGETS)]
+    head = ["policy", "anytime score", "gain over warm start", "vs GRPO (paired)", *(f"acc@{b}" for b in budgets)]
     lines = [f"## Scored {protocol.title}", "",
              f"Seeds {', '.join(map(str, seeds))}; {steps} RL steps; mean ± 95% CI over seeds.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -211,7 +238,7 @@ def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: Protoc
     paired = [(name, s["acc_vs_grpo"]) for name, s in stats.items() if s.get("acc_vs_grpo") and name != "GRPO"]
     if paired:
         lines += ["", "Paired differences from GRPO at every budget:", "",
-                  "| policy | " + " | ".join(f"acc@{b}" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 1) + "|"]
+                  "| policy | " + " | ".join(f"acc@{b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
         lines += [f"| {name} | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in diffs) + " |" for name, diffs in paired]
     lines += ["", "Gain in anytime score over each seed's warm start, and the wall time of each run (RL and its two "
               "evals; runs of different seeds may have shared the machine):", "",
@@ -225,7 +252,7 @@ def table(stats: dict[str, dict], seeds: list[int], steps: int, protocol: Protoc
     return "\n".join(lines) + "\n\n"
 
 
-def plot(stats: dict[str, dict], path: Path, protocol: Protocol) -> None:
+def plot(stats: dict[str, dict], path: Path, protocol: Protocol, budgets: list[int], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,7 +262,7 @@ def plot(stats: dict[str, dict], path: Path, protocol: Protocol) -> None:
     colours = {name: "grey" if name == "warm start" else f"C{k}" for k, name in enumerate(stats)}  # one per policy, both panels
     for k, (name, s) in enumerate(stats.items()):
         offset = (k - len(stats) / 2) * 0.6
-        left.errorbar([b + offset for b in BUDGETS], [m for m, _ in s["acc"]], yerr=[h for _, h in s["acc"]],
+        left.errorbar([b + offset for b in budgets], [m for m, _ in s["acc"]], yerr=[h for _, h in s["acc"]],
                       marker="o", capsize=3, label=name, color=colours[name],
                       linestyle="--" if name == "warm start" else "-")
     left.set_xlabel("thinking budget (tokens)")
@@ -249,14 +276,14 @@ def plot(stats: dict[str, dict], path: Path, protocol: Protocol) -> None:
     right.set_ylabel("anytime score (mean over budgets)")
     right.tick_params(axis="x", rotation=25)
     right.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"ablation ladder on the synthetic task, scored {protocol.title}\n"
+    fig.suptitle(f"ablation ladder on {title}, scored {protocol.title}\n"
                  "(mean ± 95% CI over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def warm_start_table(raw: dict[int, dict[str, dict]], recipe: Any) -> str:
+def warm_start_table(raw: dict[int, dict[str, dict]], recipe: Any, budgets: list[int]) -> str:
     """Each seed's warm start: its SFT loss, per-skill losses (which skill a failed one lacks) and held-out
     scores under both protocols."""
     from warm_start_seeds import skill_losses  # a sibling script in eval/
@@ -265,7 +292,7 @@ def warm_start_table(raw: dict[int, dict[str, dict]], recipe: Any) -> str:
              "cross-entropy in nats of the digit a trace line asks for, on held-out traces (log 10 = 2.303 is a "
              "uniform guess):", "",
              "| seed | SFT loss (last 50 steps) | SFT s | copy | operand | sum | anytime, sampled | anytime, greedy | "
-             + " | ".join(f"acc@{b}, sampled" for b in BUDGETS) + " |", "|---" * (len(BUDGETS) + 8) + "|"]
+             + " | ".join(f"acc@{b}, sampled" for b in budgets) + " |", "|---" * (len(budgets) + 8) + "|"]
     for s in sorted(raw):
         w, sampled, greedy = raw[s]["_warm_start"], raw[s]["_eval"]["sampled"][WARM], raw[s]["_eval"]["greedy"][WARM]
         skills = skill_losses(recipe, w["path"])
@@ -292,20 +319,25 @@ def plot_warm_starts(raw: dict[int, dict[str, dict]], path: Path, recipe: Any) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--recipe", default=QUICKSTART, help="the recipe every rung overrides (default: quickstart)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant (default: the quickstart's)")
     parser.add_argument("--variants", default=",".join(LADDER), help="a comma list of: " + ", ".join(LADDER))
     parser.add_argument("--work", default="runs/ablation")
     parser.add_argument("--out", default=str(REPO / "eval" / "ablation"))
     parser.add_argument("--extend-from", type=Path, default=None,
                         help="a shorter sweep's --work: resume every run from its last checkpoint")
+    parser.add_argument("--warm-starts-from", type=Path, default=None,
+                        help="another sweep's --work whose warm starts this sweep shares (the same model, data and "
+                             "sft sections); they are linked, not rebuilt")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    recipe = load_recipe(RECIPE, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
+    sweep = Sweep.of(args.recipe, args.overrides)
     if args.steps is None:  # AR-uniform is then the quickstart run itself
         args.steps = recipe.trainer.steps
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in LADDER]
+    unknown = [v for v in variants if v not in sweep.rungs]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(LADDER)}")
     if recipe.eval.temperature <= 0:
@@ -314,18 +346,21 @@ def main() -> int:
         parser.error("--extend-from needs learner.lr_schedule=constant and learner.warmup_steps=0: with a schedule "
                      "a longer run's learning rates differ from the shorter run's; run the sweep from scratch")
     scoring = protocols(recipe)
-    raw = {seed: run_seed(seed, args.steps, Path(args.work), variants, args.overrides, scoring, args.extend_from)
-           for seed in seeds}
+    raw = {seed: run_seed(sweep, seed, args.steps, Path(args.work), variants, args.overrides, scoring, args.extend_from,
+                          args.warm_starts_from) for seed in seeds}
     stats = {p.name: summarise(raw, variants, p.name) for p in scoring}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "budgets": BUDGETS,
-                                                  "ladder": LADDER, "protocols": {p.name: p.flags for p in scoring}, "overrides": args.overrides,
+    (out / "results.json").write_text(json.dumps({"seeds": seeds, "steps": args.steps, "recipe": args.recipe,
+                                                  "budgets": sweep.budgets, "ladder": sweep.rungs, "protocols": {p.name: p.flags for p in scoring}, "overrides": args.overrides,
                                                   "per_seed": raw, "summary": stats}, indent=1))
-    text = "".join(table(stats[p.name], seeds, args.steps, p) for p in scoring) + warm_start_table(raw, recipe)
+    text = "".join(table(stats[p.name], seeds, args.steps, p, sweep.budgets) for p in scoring)
+    text += warm_start_table(raw, recipe, sweep.budgets)
+    title = "the synthetic task" if args.recipe == QUICKSTART else f"{Path(args.recipe).stem} (synthetic task)"
     (out / "table.md").write_text(text)
     for p in scoring:
-        plot(stats[p.name], out / ("ablation.png" if p.name == "sampled" else f"ablation_{p.name}.png"), p)
+        plot(stats[p.name], out / ("ablation.png" if p.name == "sampled" else f"ablation_{p.name}.png"), p,
+             sweep.budgets, title)
     plot_warm_starts(raw, out / "sft_loss.png", recipe)
     print(text)
     return 0

@@ -10,7 +10,7 @@ set (the trainer's own: 200 problems, the recipe's budgets) this prints its accu
 anytime score, and with `--ablation results.json` the warm start's and each variant's score against it
 under each of the ablation's eval protocols.
 
-    python eval/headroom.py [--seeds 0,1,2,3,4] [--ablation eval/ablation/results.json]
+    python eval/headroom.py [--seeds 0,1,2,3,4] [--ablation eval/ablation/results.json] [--recipe R.yaml]
 
 Prints `name: value` lines.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 GUESS = 0.1  # one digit in ten
 
 
@@ -62,12 +62,13 @@ def quickstart_tokenizer() -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--recipe", default=QUICKSTART, help="a synthetic-task recipe (default: quickstart)")
     parser.add_argument("--ablation", type=Path, default=None, help="an eval/ablation.py results.json to set against it")
     args = parser.parse_args()
     from anytime.config import load_recipe
     from anytime.data.benchmarks import load_benchmark
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(args.recipe)
     budgets = list(recipe.eval.budgets or recipe.budget.grid())
     ops = (recipe.data.synthetic_min_ops, recipe.data.synthetic_max_ops)
     ablation = json.loads(args.ablation.read_text()) if args.ablation else None

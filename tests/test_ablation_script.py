@@ -2,6 +2,7 @@
 cached per seed and protocol."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -70,12 +71,35 @@ def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ablation.subprocess, "run", fake_eval)
     overrides = ["trainer.seed=3", "trainer.num_threads=1"]
-    sampled = ablation.protocols(load_recipe(ablation.RECIPE, overrides))[0]
+    sampled = ablation.protocols(load_recipe(ablation.QUICKSTART, overrides))[0]
+    sweep = ablation.Sweep.of(ablation.QUICKSTART, overrides)
     assert sampled.name == "sampled" and sampled.flags == ("--temperature", "0.6", "--top-p", "0.95", "--samples", "8")
-    first = ablation.score(models, tmp_path, sampled, overrides)
+    first = ablation.score(sweep, models, tmp_path, sampled, overrides)
     assert first == {"warm start": [0.0, 0.2, 0.3, 0.4], "GRPO": [0.1, 0.2, 0.3, 0.4]}
     assert "trainer:\n" in (tmp_path / "eval_recipe.yaml").read_text() and "seed: 3" in (tmp_path / "eval_recipe.yaml").read_text()
-    assert ablation.score(models, tmp_path, sampled, overrides) == first and len(calls) == 1   # cached
+    assert ablation.score(sweep, models, tmp_path, sampled, overrides) == first and len(calls) == 1   # cached
     later = (tmp_path / "eval_sampled.json").stat().st_mtime + 10
     os.utime(models["GRPO"], (later, later))   # a retrained run: scored again
-    assert ablation.score(models, tmp_path, sampled, overrides) == first and len(calls) == 2
+    assert ablation.score(sweep, models, tmp_path, sampled, overrides) == first and len(calls) == 2
+
+
+def test_the_ladder_follows_the_recipes_budget_grid():
+    """Every rung trains on the sweep recipe's grid; GRPO is rewarded at its largest budget only. The
+    quickstart's grid gives the committed ladder's overrides exactly."""
+    ablation = load_ablation()
+    binding = ablation.Sweep.of(str(REPO / "recipes" / "ablation" / "binding.yaml"), [])
+    assert binding.budgets == [12, 24, 36, 48]
+    assert "budget.budgets=[48]" in binding.rungs["GRPO"]
+    assert all("budget.budgets=[12,24,36,48]" in binding.rungs[name] for name in binding.rungs if name != "GRPO")
+    assert ablation.Sweep.of(ablation.QUICKSTART, []).rungs == ablation.LADDER
+    committed = json.loads((REPO / "eval" / "ablation" / "results.json").read_text())["ladder"]
+    assert committed == ablation.LADDER
+
+
+def test_a_shared_warm_start_must_be_finished(tmp_path):
+    ablation = load_ablation()
+    sweep = ablation.Sweep.of(ablation.QUICKSTART, [])
+    (tmp_path / "other" / "seed0" / "warm_start" / "sft_model").mkdir(parents=True)   # no sft_done.txt
+    with pytest.raises(FileNotFoundError, match="no finished warm start"):
+        ablation.run_seed(sweep, 0, 1, tmp_path / "work", [], [], [], warm_from=tmp_path / "other")
+    assert not (tmp_path / "work" / "seed0").exists()

@@ -129,18 +129,18 @@ def run_seed(sweep: Sweep, seed: int, steps: int, work: Path, variants: list[str
     """Warm start for one seed, then every variant from it; the wall seconds of each run (RL plus its
     two in-training evals; an extended run's include the shorter run's) and, under `_eval`, every
     policy's held-out accuracy per budget under each protocol. The warm start is linked from
-    `extend_from` or `warm_from` (another sweep's --work) when given, else built."""
+    `extend_from`, or from `warm_from` (another sweep's --work) where that holds a finished one, else built."""
     from anytime.trainer.launch import launch_train, prepare_model
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
     shared = work / f"seed{seed}" / "warm_start"
-    linked = extend_from or warm_from
-    if linked is not None and not shared.exists():
-        source = linked / f"seed{seed}" / "warm_start"
-        if not (source / "sft_model" / "sft_done.txt").is_file():
-            raise FileNotFoundError(f"{source} holds no finished warm start; build it there first, or drop the link")
+    if extend_from is not None and not shared.exists():
         shared.parent.mkdir(parents=True, exist_ok=True)
-        shared.symlink_to(source.resolve(), target_is_directory=True)
+        shared.symlink_to((extend_from / f"seed{seed}" / "warm_start").resolve(), target_is_directory=True)
+    shareable = warm_from / f"seed{seed}" / "warm_start" if warm_from is not None else None
+    if shareable is not None and (shareable / "sft_model" / "sft_done.txt").is_file() and not shared.exists():
+        shared.parent.mkdir(parents=True, exist_ok=True)   # a seed --warm-starts-from lacks builds its own
+        shared.symlink_to(shareable.resolve(), target_is_directory=True)
     sft = prepare_model(load_recipe(sweep.recipe, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
     curve = json.loads((Path(sft) / "sft_loss.json").read_text())
     out: dict[str, dict] = {"_warm_start": {"path": str(sft), "sft_seconds": curve["seconds"],
@@ -328,7 +328,7 @@ def main() -> int:
                         help="a shorter sweep's --work: resume every run from its last checkpoint")
     parser.add_argument("--warm-starts-from", type=Path, default=None,
                         help="another sweep's --work whose warm starts this sweep shares (the same model, data and "
-                             "sft sections); they are linked, not rebuilt")
+                             "sft sections): a seed's finished warm start there is linked, not rebuilt")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, warm start included (key.path=value)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]

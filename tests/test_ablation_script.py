@@ -96,10 +96,20 @@ def test_the_ladder_follows_the_recipes_budget_grid():
     assert committed == ablation.LADDER
 
 
-def test_a_shared_warm_start_must_be_finished(tmp_path):
+def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
+    """--warm-starts-from links a seed's finished warm start and leaves a seed it lacks to build its own."""
     ablation = load_ablation()
+    import anytime.trainer.launch as launch
+
+    built = tmp_path / "built"   # what the warm start would be, without training it
+    built.mkdir()
+    (built / "sft_loss.json").write_text('{"seconds": 1, "loss": []}')
+    monkeypatch.setattr(launch, "prepare_model", lambda recipe: str(built))
     sweep = ablation.Sweep.of(ablation.QUICKSTART, [])
-    (tmp_path / "other" / "seed0" / "warm_start" / "sft_model").mkdir(parents=True)   # no sft_done.txt
-    with pytest.raises(FileNotFoundError, match="no finished warm start"):
-        ablation.run_seed(sweep, 0, 1, tmp_path / "work", [], [], [], warm_from=tmp_path / "other")
-    assert not (tmp_path / "work" / "seed0").exists()
+    (tmp_path / "other" / "seed0" / "warm_start" / "sft_model").mkdir(parents=True)
+    (tmp_path / "other" / "seed0" / "warm_start" / "sft_model" / "sft_done.txt").touch()
+    (tmp_path / "other" / "seed1" / "warm_start" / "sft_model").mkdir(parents=True)   # unfinished: no sft_done.txt
+    for seed in (0, 1):
+        ablation.run_seed(sweep, seed, 1, tmp_path / "work", [], [], [], warm_from=tmp_path / "other")
+    assert (tmp_path / "work" / "seed0" / "warm_start").resolve() == (tmp_path / "other" / "seed0" / "warm_start")
+    assert not (tmp_path / "work" / "seed1" / "warm_start").exists()

@@ -113,3 +113,24 @@ def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
         ablation.run_seed(sweep, seed, 1, tmp_path / "work", [], [], [], warm_from=tmp_path / "other")
     assert (tmp_path / "work" / "seed0" / "warm_start").resolve() == (tmp_path / "other" / "seed0" / "warm_start")
     assert not (tmp_path / "work" / "seed1" / "warm_start").exists()
+
+
+def test_thinking_lengths_pair_each_rung_with_grpo_per_seed(tmp_path):
+    """eval/thinking_lengths.py reads the samples the ablation scored and names each model by its policy."""
+    spec = importlib.util.spec_from_file_location("thinking_lengths_script", REPO / "eval" / "thinking_lengths.py")
+    lengths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths)
+    per_seed = {}
+    for seed, (grpo, linear) in enumerate([(40, 30), (44, 36)]):
+        folder = tmp_path / f"seed{seed}"
+        (folder / "eval_sampled").mkdir(parents=True)
+        (folder / "eval_sampled.json").write_text(json.dumps({"models": {"GRPO": "a", "+linear": "b"}}))
+        rows = [{"model": "a", "thinking_length": grpo, "natural_end": False},
+                {"model": "b", "thinking_length": linear, "natural_end": True},
+                {"model": "b", "thinking_length": linear + 2, "natural_end": False}]
+        (folder / "eval_sampled" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        per_seed[seed] = lengths.seed_lengths(folder, "sampled")
+    assert per_seed[0] == {"GRPO": (40.0, 0.0), "+linear": (31.0, 0.5)}
+    stats = lengths.summarise(per_seed)
+    assert stats["+linear"]["length_vs_grpo"][0] == pytest.approx(-8.0)   # (31-40 + 37-44) / 2
+    assert stats["+linear"]["ended_vs_grpo"][0] == pytest.approx(0.5) and "length_vs_grpo" not in stats["GRPO"]

@@ -73,16 +73,14 @@ WARM = "warm start"
 
 @dataclass(frozen=True)
 class Sweep:
-    """What every run of a sweep shares: its recipe file, that recipe's budget grid and the rungs over it."""
+    """What every run of a sweep shares: its recipe file and that recipe's budget grid, which the rungs follow."""
 
     recipe: str
     budgets: list[int]
-    rungs: dict[str, list[str]]
 
-    @classmethod
-    def of(cls, recipe_path: str, overrides: list[str]) -> Sweep:
-        budgets = load_recipe(recipe_path, overrides).budget.grid()
-        return cls(recipe_path, budgets, ladder(budgets))
+    @property
+    def rungs(self) -> dict[str, list[str]]:
+        return ladder(self.budgets)
 
 
 @dataclass(frozen=True)
@@ -134,13 +132,14 @@ def run_seed(sweep: Sweep, seed: int, steps: int, work: Path, variants: list[str
 
     base = [f"trainer.seed={seed}", "logging.progress=false", "logging.tensorboard=false", *overrides]
     shared = work / f"seed{seed}" / "warm_start"
-    if extend_from is not None and not shared.exists():
+    source = None
+    if extend_from is not None:
+        source = extend_from / f"seed{seed}" / "warm_start"
+    elif warm_from is not None and (warm_from / f"seed{seed}" / "warm_start" / "sft_model" / "sft_done.txt").is_file():
+        source = warm_from / f"seed{seed}" / "warm_start"   # a seed --warm-starts-from lacks builds its own
+    if source is not None and not shared.exists():
         shared.parent.mkdir(parents=True, exist_ok=True)
-        shared.symlink_to((extend_from / f"seed{seed}" / "warm_start").resolve(), target_is_directory=True)
-    shareable = warm_from / f"seed{seed}" / "warm_start" if warm_from is not None else None
-    if shareable is not None and (shareable / "sft_model" / "sft_done.txt").is_file() and not shared.exists():
-        shared.parent.mkdir(parents=True, exist_ok=True)   # a seed --warm-starts-from lacks builds its own
-        shared.symlink_to(shareable.resolve(), target_is_directory=True)
+        shared.symlink_to(source.resolve(), target_is_directory=True)
     sft = prepare_model(load_recipe(sweep.recipe, base + [f"trainer.output_dir={shared}", f"model.path={shared}/init"]))
     curve = json.loads((Path(sft) / "sft_loss.json").read_text())
     out: dict[str, dict] = {"_warm_start": {"path": str(sft), "sft_seconds": curve["seconds"],
@@ -333,13 +332,13 @@ def main() -> int:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     recipe = load_recipe(args.recipe, args.overrides)
-    sweep = Sweep.of(args.recipe, args.overrides)
+    sweep = Sweep(args.recipe, recipe.budget.grid())
     if args.steps is None:  # AR-uniform is then the quickstart run itself
         args.steps = recipe.trainer.steps
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in sweep.rungs]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(LADDER)}")
+        parser.error(f"unknown variants {unknown}; choose from {list(sweep.rungs)}")
     if recipe.eval.temperature <= 0:
         parser.error("the sampled protocol is the recipe's eval: give eval.temperature > 0 (greedy is scored too)")
     if args.extend_from is not None and (recipe.learner.lr_schedule != "constant" or recipe.learner.warmup_steps):

@@ -20,6 +20,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ablation import run_name  # a sibling script in eval/: the rungs' short names
+
 from anytime.core.stats import mean_ci
 
 BASELINE = "GRPO"
@@ -76,7 +78,7 @@ def main() -> int:
              "", "| policy | thinking tokens | vs GRPO (paired) | ends on its own | vs GRPO (paired) |",
              "|---|---|---|---|---|"]
     for name, s in stats.items():
-        key = name.split()[0].strip("+").lower().replace("-", "_")
+        key = run_name(name)
         print(f"{key}_thinking_tokens: {s['length'][0]:.2f} ± {s['length'][1]:.2f}")
         print(f"{key}_ends_on_its_own: {s['ended'][0]:.3f} ± {s['ended'][1]:.3f}")
         lines.append(f"| {name} | {fmt(s['length'], 1)} | {signed(s.get('length_vs_grpo'), 1)} | "

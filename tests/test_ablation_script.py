@@ -72,7 +72,7 @@ def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
     monkeypatch.setattr(ablation.subprocess, "run", fake_eval)
     overrides = ["trainer.seed=3", "trainer.num_threads=1"]
     sampled = ablation.protocols(load_recipe(ablation.QUICKSTART, overrides))[0]
-    sweep = ablation.Sweep.of(ablation.QUICKSTART, overrides)
+    sweep = ablation.Sweep(ablation.QUICKSTART, load_recipe(ablation.QUICKSTART, overrides).budget.grid())
     assert sampled.name == "sampled" and sampled.flags == ("--temperature", "0.6", "--top-p", "0.95", "--samples", "8")
     first = ablation.score(sweep, models, tmp_path, sampled, overrides)
     assert first == {"warm start": [0.0, 0.2, 0.3, 0.4], "GRPO": [0.1, 0.2, 0.3, 0.4]}
@@ -87,11 +87,12 @@ def test_the_ladder_follows_the_recipes_budget_grid():
     """Every rung trains on the sweep recipe's grid; GRPO is rewarded at its largest budget only. The
     quickstart's grid gives the committed ladder's overrides exactly."""
     ablation = load_ablation()
-    binding = ablation.Sweep.of(str(REPO / "recipes" / "ablation" / "binding.yaml"), [])
+    recipe = str(REPO / "recipes" / "ablation" / "binding.yaml")
+    binding = ablation.Sweep(recipe, load_recipe(recipe).budget.grid())
     assert binding.budgets == [12, 24, 36, 48]
     assert "budget.budgets=[48]" in binding.rungs["GRPO"]
     assert all("budget.budgets=[12,24,36,48]" in binding.rungs[name] for name in binding.rungs if name != "GRPO")
-    assert ablation.Sweep.of(ablation.QUICKSTART, []).rungs == ablation.LADDER
+    assert ablation.Sweep(ablation.QUICKSTART, load_recipe(ablation.QUICKSTART).budget.grid()).rungs == ablation.LADDER
     committed = json.loads((REPO / "eval" / "ablation" / "results.json").read_text())["ladder"]
     assert committed == ablation.LADDER
 
@@ -105,7 +106,7 @@ def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
     built.mkdir()
     (built / "sft_loss.json").write_text('{"seconds": 1, "loss": []}')
     monkeypatch.setattr(launch, "prepare_model", lambda recipe: str(built))
-    sweep = ablation.Sweep.of(ablation.QUICKSTART, [])
+    sweep = ablation.Sweep(ablation.QUICKSTART, [16, 32, 48, 64])
     (tmp_path / "other" / "seed0" / "warm_start" / "sft_model").mkdir(parents=True)
     (tmp_path / "other" / "seed0" / "warm_start" / "sft_model" / "sft_done.txt").touch()
     (tmp_path / "other" / "seed1" / "warm_start" / "sft_model").mkdir(parents=True)   # unfinished: no sft_done.txt
@@ -115,8 +116,9 @@ def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
     assert not (tmp_path / "work" / "seed1" / "warm_start").exists()
 
 
-def test_thinking_lengths_pair_each_rung_with_grpo_per_seed(tmp_path):
+def test_thinking_lengths_pair_each_rung_with_grpo_per_seed(tmp_path, monkeypatch):
     """eval/thinking_lengths.py reads the samples the ablation scored and names each model by its policy."""
+    monkeypatch.syspath_prepend(str(REPO / "eval"))   # as when run as a script: it imports its sibling ablation.py
     spec = importlib.util.spec_from_file_location("thinking_lengths_script", REPO / "eval" / "thinking_lengths.py")
     lengths = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lengths)

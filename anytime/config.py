@@ -16,24 +16,17 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from anytime import defaults
-from anytime.algo import (
-    BUDGET_PRIORS,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    OFFPOLICY_CORRECTIONS,
-    SUMMARY_ESTIMATORS,
-    THINKING_ESTIMATORS,
-    VARIANCE_REDUCTIONS,
-)
+from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPOLICY_CORRECTIONS, SUMMARY_ESTIMATORS,
+                          THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
+from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
+from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
-from anytime.learner import LEARNERS, LR_SCHEDULES
 from anytime.pipeline import SCHEDULES
 from anytime.registry import Choice
-from anytime.rollout import ENGINES, PLACEMENTS
 
-__all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_reference"]
+__all__ = ["Recipe", "RecipeError", "load_recipe", "parse_override", "recipe_reference"]
 
 
 @dataclass
@@ -296,57 +289,9 @@ def recipe_reference() -> str:
     return reference(Recipe, "Recipe reference", REFERENCE_INTRO)
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """`rollout.n=8` → {"rollout": {"n": 8}}; the value is parsed as YAML (`[1, 2]`, `null`, `true`)."""
-    if "=" not in text:
-        raise RecipeError(f"override {text!r} must look like key.path=value, e.g. rollout.n=8")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise RecipeError(f"override {text!r} has an empty key; write e.g. budget.prior=uniform")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
-
-
-def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"recipe file {str(path)!r} must hold a mapping of sections (model:, data:, ...)")
-    parent = data.pop("base", None)   # `base: other.yaml` inherits and overrides another recipe
-    if parent is not None:
-        parent_path = (path.parent / str(parent)).resolve()
-        if parent_path in seen:
-            raise RecipeError(f"recipe {str(path)!r}: `base` chain loops through {str(parent_path)!r}")
-        data = _merge(_load_yaml(parent_path, seen + (parent_path,)), data)
-    return data
-
-
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load a recipe file (or the defaults when `path` is None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {} if path is None else _load_yaml(Path(path).resolve())
-    for text in overrides:
-        data = _merge(data, parse_override(text))
-    return recipe_from_dict(data)
+    return recipe_from_dict(read_recipe_data(path, overrides))
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:

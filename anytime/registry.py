@@ -1,9 +1,10 @@
 """One registry style for everything pluggable: estimators, losses, priors, dtypes, engines,
 placements, learners, LR schedules and pipeline schedules.
 
-Each package declares its registries in its `__init__.py`, next to the code they name, as
-`name -> "module:attribute"` entries resolved on first use, so declaring one imports nothing
-heavy (torch, vLLM, DeepSpeed) and creates no import edge. The recipe schema (`anytime.config`)
+Registries are `name -> "module:attribute"` entries resolved on first use, so declaring one
+imports nothing heavy (torch, vLLM, DeepSpeed) and creates no import edge. The method's live in
+their package's `__init__.py` (`anytime.algo`, `anytime.pipeline`); the runtime components' in
+`anytime.components`, below the recipe that validates their names. The recipe schema (`anytime.config`)
 takes its allowed values from the registries, so adding an estimator is one entry in one place,
 and a wrong name is answered with the allowed ones.
 """

@@ -12,6 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
+# The suite's rules: one tier marker per test, unit tests start no process, nothing left behind.
+pytest_plugins = ["tests.tiers"]
 
 
 FIXTURE_MATH_DATA = REPO / "tests" / "fixtures" / "math"

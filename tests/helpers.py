@@ -1,16 +1,33 @@
-"""Helpers shared by the trainer-level tests: the quickstart recipe, tiny-run overrides, metrics."""
+"""Helpers shared by the trainer-level tests: the quickstart recipe, tiny-run overrides, metrics, and
+the models the suite builds once and keeps on disk."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+# Built models, one folder per hash of what built them; a fresh clone starts empty (ANYTIME_TEST_CACHE moves it).
+CACHE = Path(os.environ.get("ANYTIME_TEST_CACHE", REPO / ".cache" / "tests"))
+# What a tiny run's model is built from: the quickstart's tiny architecture at tiny_overrides' sizes,
+# exactly as `anytime train` would build it at `model.path` (anytime.trainer.launch.prepare_model).
+TINY_RUN_MODEL = dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, seed=0)
 
 
 def tiny_overrides(out: Path, steps: int = 3) -> list[str]:
-    return [f"trainer.output_dir={out}", f"model.path={out.parent / 'init'}", "model.tiny_hidden_size=64",
+    """A few-step quickstart run in `out`, its model at `out.parent / "init"` (copied from the cache:
+    building it takes seconds, copying it milliseconds)."""
+    init = out.parent / "init"
+    if not init.exists():
+        shutil.copytree(tiny_run_model(), init)
+    return [f"trainer.output_dir={out}", f"model.path={init}", "model.tiny_hidden_size=64",
             "model.tiny_layers=1", "sft.steps=0", f"trainer.steps={steps}", "trainer.save_every=1",
             "rollout.prompts_per_step=2", "rollout.n=2", "summary.n=2", "budget.budgets=[8,16]",
             "budget.max_thinking=16", "eval.limit=4", "logging.progress=false", "trainer.num_threads=1",
@@ -20,3 +37,39 @@ def tiny_overrides(out: Path, steps: int = 3) -> list[str]:
 def read_metrics(out: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows if "train/rows" in r}
+
+
+def tiny_run_model() -> Path:
+    """The model every tiny run starts from (see TINY_RUN_MODEL)."""
+    def build(out: Path) -> None:
+        from anytime.tasks import synthetic
+        from anytime.tasks.tiny import build_tiny_model
+
+        build_tiny_model(out, synthetic.corpus(), **TINY_RUN_MODEL)
+
+    return cached_model("tiny-run", TINY_RUN_MODEL, build, sources=("anytime/tasks/tiny.py", "anytime/tasks/synthetic.py"))
+
+
+def cached_model(name: str, recipe: object, build: Callable[[Path], None], sources: tuple[str, ...]) -> Path:
+    """The folder `build(folder)` writes, built once and kept under CACHE by the hash of `recipe`, the
+    `sources` (paths under the repository) and the versions of the libraries that shape it. Safe
+    under pytest-xdist: a folder appears whole (built aside, then renamed) or not at all."""
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
+    for source in sources:
+        digest.update((REPO / source).read_bytes())
+    for package in ("torch", "transformers", "tokenizers"):
+        digest.update(importlib.metadata.version(package).encode())
+    final = CACHE / f"{name}-{digest.hexdigest()[:16]}"
+    if not final.is_dir():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
+        try:
+            build(scratch / "model")
+            try:
+                os.rename(scratch / "model", final)
+            except OSError:   # another process finished it first
+                if not final.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return final

@@ -29,6 +29,7 @@ def finished_run(root: Path, step: int) -> Path:
     return root
 
 
+@pytest.mark.unit
 def test_extend_from_copies_a_shorter_run_without_its_final_eval(tmp_path):
     ablation = load_ablation()
     old = finished_run(tmp_path / "old", 80)
@@ -37,6 +38,7 @@ def test_extend_from_copies_a_shorter_run_without_its_final_eval(tmp_path):
     assert not (tmp_path / "new" / "final_eval.json").exists()  # the resumed run writes its own
 
 
+@pytest.mark.unit
 def test_extend_from_refuses_a_run_that_is_not_shorter_or_not_finished(tmp_path):
     ablation = load_ablation()
     old = finished_run(tmp_path / "old", 80)
@@ -48,6 +50,7 @@ def test_extend_from_refuses_a_run_that_is_not_shorter_or_not_finished(tmp_path)
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.integration
 def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
     """`score` runs one `anytime eval` per seed and protocol, reuses its cache while no model is newer,
     and reads each model's accuracy from the eval's results.json."""
@@ -83,6 +86,7 @@ def test_scores_are_cached_until_a_model_is_newer(tmp_path, monkeypatch):
     assert ablation.score(sweep, models, tmp_path, sampled, overrides) == first and len(calls) == 2
 
 
+@pytest.mark.unit
 def test_the_ladder_follows_the_recipes_budget_grid():
     """Every rung trains on the sweep recipe's grid; GRPO is rewarded at its largest budget only. The
     quickstart's grid gives the committed ladder's overrides exactly."""
@@ -97,6 +101,7 @@ def test_the_ladder_follows_the_recipes_budget_grid():
     assert committed == ablation.LADDER
 
 
+@pytest.mark.unit
 def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
     """--warm-starts-from links a seed's finished warm start and leaves a seed it lacks to build its own."""
     ablation = load_ablation()
@@ -116,6 +121,7 @@ def test_only_a_finished_warm_start_is_shared(tmp_path, monkeypatch):
     assert not (tmp_path / "work" / "seed1" / "warm_start").exists()
 
 
+@pytest.mark.unit
 def test_thinking_lengths_pair_each_rung_with_grpo_per_seed(tmp_path, monkeypatch):
     """eval/thinking_lengths.py reads the samples the ablation scored and names each model by its policy."""
     monkeypatch.syspath_prepend(str(REPO / "eval"))   # as when run as a script: it imports its sibling ablation.py

@@ -6,6 +6,8 @@ import yaml
 from anytime.cli import main
 from anytime.config import Recipe, RecipeError, load_recipe, parse_override, recipe_from_dict
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))
 

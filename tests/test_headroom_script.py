@@ -15,6 +15,8 @@ from headroom import GUESS, format_ceiling, quickstart_tokenizer  # noqa: E402
 
 from anytime.data.benchmarks import load_benchmark  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -1,7 +1,8 @@
-"""The package's shape, checked from its source: no import circle among its modules nor among its
-packages and top-level modules (imports inside functions count; `if TYPE_CHECKING:` imports, which
-never run, do not), at most 8 modules directly in `anytime/`, none over 500 lines, every registry
-entry importable, and `tests/` mirroring the package tree."""
+"""The package's shape, checked from its source: no import circle among its modules (imports inside
+functions count; `if TYPE_CHECKING:` imports, which never run, do not) nor among its packages and
+top-level modules (type-checking imports count too: the layers stand one above the other), the
+recipe below every package that reads it, at most 8 modules directly in `anytime/`, none over 500
+lines, every registry entry importable, and `tests/` mirroring the package tree."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import importlib
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "anytime"
@@ -26,13 +29,14 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Every module this source imports at run time (at any depth, functions included)."""
+def _imports(tree: ast.AST, module: str, is_package: bool, type_checking: bool = False) -> set[str]:
+    """Every module this source imports at run time (at any depth, functions included), and with
+    `type_checking` also those under `if TYPE_CHECKING:`."""
     found: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -53,12 +57,13 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """module -> the `anytime` modules it imports (a module imports its package's `__init__` too)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
-        deps = {d for d in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py") if d in files}
+        tree = ast.parse(path.read_text())
+        deps = {d for d in _imports(tree, name, path.name == "__init__.py", type_checking) if d in files}
         graph[name] = deps - {name}
     return graph
 
@@ -95,9 +100,12 @@ def test_no_import_circle_among_modules():
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
 
 
-def test_no_import_circle_among_packages():
+@pytest.mark.parametrize("type_checking", [False, True], ids=["run-time", "type-checking-too"])
+def test_no_import_circle_among_packages(type_checking):
+    """No package imports upward into one that imports it, counting the imports made only for type
+    checking too: the layers stand one above the other (the recipe below all that read it)."""
     units: dict[str, set[str]] = {}
-    for module, deps in import_graph().items():
+    for module, deps in import_graph(type_checking).items():
         units.setdefault(unit_of(module), set()).update(unit_of(d) for d in deps if unit_of(d) != unit_of(module))
     units.pop("anytime", None)   # the root package's __init__ holds only the version
     for deps in units.values():
@@ -113,6 +121,16 @@ def test_the_checker_sees_a_circle_and_ignores_type_checking_imports():
               "def f():\n    from anytime.rollout import engine\n")
     found = _imports(ast.parse(source), "anytime.learner.x", False)
     assert "anytime.rollout.engine" in found and "anytime.config" not in found
+    assert "anytime.config" in _imports(ast.parse(source), "anytime.learner.x", False, type_checking=True)
+
+
+def test_the_recipe_imports_nothing_that_reads_it():
+    """`anytime.config` sits below the packages it configures: no import of theirs, not even for type
+    checking or inside a function; the names it checks come from `anytime.components`."""
+    graph = import_graph(type_checking=True)
+    above = ("anytime.rollout", "anytime.learner", "anytime.trainer", "anytime.evaluation")
+    assert not {d for d in graph["anytime.config"] if unit_of(d) in above}
+    assert "anytime.components" in graph["anytime.config"]
 
 
 def test_top_level_is_small_and_modules_fit_in_a_head():
@@ -120,13 +138,15 @@ def test_top_level_is_small_and_modules_fit_in_a_head():
     assert len(top) <= 8, f"{len(top)} modules directly in anytime/: {sorted(top)}"
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines: {long}"
+    recipe_lines = len((PACKAGE / "config.py").read_text().splitlines())
+    assert recipe_lines < 450, f"anytime/config.py has {recipe_lines} lines: the recipe schema should stay readable"
 
 
 def _registries() -> list:
     from anytime.registry import Registry
 
     found = []
-    for module in ("anytime.algo", "anytime.defaults", "anytime.learner", "anytime.pipeline", "anytime.rollout"):
+    for module in ("anytime.algo", "anytime.components", "anytime.defaults", "anytime.pipeline"):
         mod = importlib.import_module(module)
         found += [v for v in vars(mod).values() if isinstance(v, Registry)]
     return found

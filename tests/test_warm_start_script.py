@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_warm_start_script_reports_scores_and_skill_losses(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "eval" / "warm_start_seeds.py"), "--arm", "smoke", "--seeds", "3",

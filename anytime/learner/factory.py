@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from anytime.defaults import torch_dtype
-from anytime.learner import LEARNERS, PIPELINE_LEARNERS
+from anytime.components import LEARNERS, PIPELINE_LEARNERS
 from anytime.learner.base import Learner
 from anytime.models.loading import load_model
 

@@ -1,4 +1,4 @@
-"""Learning-rate multipliers (registered in `anytime.learner.LR_SCHEDULES`): a linear warm-up, then
+"""Learning-rate multipliers (registered in `anytime.components.LR_SCHEDULES`): a linear warm-up, then
 the named schedule as a function of the progress through the remaining steps."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from anytime.learner import LR_SCHEDULES
+from anytime.components import LR_SCHEDULES
 
 
 def constant(progress: float) -> float:

@@ -355,10 +355,10 @@ def check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_posi
 
 def create_engine(kind: str, model_path: str, *, max_model_len: int, max_prompt_len: int | None = None,
                   dtype: str = "float32", seed: int = 0, **engine_kwargs: Any) -> RolloutEngine:
-    """Build the rollout engine registered as `kind` in `anytime.rollout.ENGINES` (`"hf"`:
+    """Build the rollout engine registered as `kind` in `anytime.components.ENGINES` (`"hf"`:
     transformers, `"vllm"`). `engine_kwargs` go to the engine class (e.g. `device`/`prefix_reuse`
     for hf, `kv_cache_gb`/`gpu_memory_utilization` for vllm)."""
-    from anytime.rollout import ENGINES
+    from anytime.components import ENGINES
 
     return ENGINES.get(kind)(model_path, max_model_len=max_model_len, max_prompt_len=max_prompt_len, dtype=dtype,
                              seed=seed, **engine_kwargs)

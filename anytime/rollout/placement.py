@@ -9,7 +9,7 @@
 - `processes`: `rollout.workers` local processes of their own on one node, without Ray
   (`anytime.rollout.processes`).
 
-The placements are registered in `anytime.rollout.PLACEMENTS`; the first two live in
+The placements are registered in `anytime.components.PLACEMENTS`; the first two live in
 `anytime.rollout.local`. This module holds what they share.
 
 All branches of a prompt stay on one worker (its prefix cache) and every sequence is seeded from
@@ -29,7 +29,7 @@ import torch
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
 from anytime.core.stats import add_sums
-from anytime.rollout import PLACEMENTS
+from anytime.components import PLACEMENTS
 from anytime.rollout.worker import RolloutWorker, rollout_metrics
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def resolve_placement(recipe: Recipe, world: int) -> str:
 
 
 def create_rollouts(recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> Rollouts:
-    """The placement the recipe names (`rollout.placement`, registered in `anytime.rollout.PLACEMENTS`)."""
+    """The placement the recipe names (`rollout.placement`, registered in `anytime.components.PLACEMENTS`)."""
     placement = PLACEMENTS.get(resolve_placement(recipe, rank_world()[1]))
     return placement(recipe, model_path, tokenizer, pad_id, learner)
 

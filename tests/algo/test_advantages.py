@@ -12,6 +12,8 @@ from anytime.algo.advantages import (
     thinking_advantages,
 )
 
+pytestmark = pytest.mark.unit
+
 R_EXAMPLE = torch.tensor([[0, 0.5, 1, 1], [0, 0, 0, 0.25]], dtype=torch.float64)
 UNIFORM = [0.25] * 4
 

@@ -10,6 +10,8 @@ from anytime.algo.budget import (
     validate_grid,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_even_grid_matches_paper():
     assert even_grid(8000, 4) == [2000, 4000, 6000, 8000]

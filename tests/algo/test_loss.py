@@ -6,6 +6,8 @@ import torch
 from anytime.algo.logprobs import token_entropy, token_logprobs
 from anytime.algo.loss import aggregate, kl_penalty, policy_loss
 
+pytestmark = pytest.mark.unit
+
 
 def test_aggregations():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])

@@ -64,6 +64,7 @@ def layouts(seed: int = 0, noise: float = 0.3) -> tuple[TrainBatch, TrainBatch]:
     return batches
 
 
+@pytest.mark.unit
 def test_the_layouts_hold_several_sequences_per_packed_row():
     rows, packed = layouts()
     assert rows.segments is None and packed.segments is not None
@@ -71,6 +72,7 @@ def test_the_layouts_hold_several_sequences_per_packed_row():
     assert torch.equal(rows.rollout_logprobs[rows.loss_mask], packed.rollout_logprobs[packed.loss_mask])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("level", IS_LEVELS)
 def test_on_policy_samples_change_no_loss_or_gradient(mode, level):
@@ -109,6 +111,7 @@ def _per_row_log_ratio(batch: TrainBatch) -> torch.Tensor:
     return out
 
 
+@pytest.mark.unit
 def test_tis_without_a_cap_is_the_plain_importance_weight():
     rows, packed = layouts()
     for batch in (rows, packed):
@@ -130,6 +133,7 @@ def test_tis_without_a_cap_is_the_plain_importance_weight():
     assert len(set(sequence_weights[0].tolist())) > 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode,level", [("tis", "sequence"), ("mis", "sequence"), ("mis", "token")])
 def test_both_layouts_get_the_same_corrected_advantages(mode, level):
     rows, packed = layouts(seed=3)
@@ -153,6 +157,7 @@ def _token_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return old, torch.zeros_like(old), mask
 
 
+@pytest.mark.unit
 def test_tis_truncates_and_mis_masks_tokens_above_the_cap():
     old, rollout, mask = _token_case()
     for mode, want in (("none", [1, 1, 1, 1]), ("tis", [0.5, 1.5, 2.0, 2.0]), ("mis", [0.5, 1.5, 0.0, 0.0])):
@@ -166,6 +171,7 @@ def test_tis_truncates_and_mis_masks_tokens_above_the_cap():
         assert stats["is_clipped_frac"] == (0.0 if mode == "none" else 0.5)
 
 
+@pytest.mark.unit
 def test_sequence_level_uses_each_sequences_sum():
     """Row 0 packs a thinking trace (segment 0) and a summary branch (segment 5); row 1 is one
     sequence. Untrained tokens inside a sequence do not enter its sum."""
@@ -192,6 +198,7 @@ def test_sequence_level_uses_each_sequences_sum():
     assert w[0, mask[0]].tolist() == pytest.approx([math.exp(1.2)] * 4, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_a_sequence_weight_past_the_float_range():
     """exp(1000) is inf even in float64: tis still caps it, mis masks it, and the ESS stays finite."""
     old = torch.tensor([[1.0] * 1000 + [0.0, 0.0]])
@@ -203,6 +210,7 @@ def test_a_sequence_weight_past_the_float_range():
         assert stats["is_ess"] == pytest.approx(0.5) and stats["is_weight_max"] == math.inf
 
 
+@pytest.mark.unit
 def test_statistics_combine_across_ranks():
     """Two ranks' sums give the statistics of all their rows; ranks holding the same rows (pipeline
     stages) change nothing."""
@@ -217,6 +225,7 @@ def test_statistics_combine_across_ranks():
     assert summarize([empty]) == {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_clipped_frac": 0.0, "is_ess": 1.0}
 
 
+@pytest.mark.unit
 def test_none_leaves_the_batch_untouched_and_an_unknown_level_is_refused():
     _, packed = layouts()
     advantages = packed.advantages
@@ -226,6 +235,7 @@ def test_none_leaves_the_batch_untouched_and_an_unknown_level_is_refused():
         apply_offpolicy_correction(packed, "tis", "row", 2.0)
 
 
+@pytest.mark.unit
 def test_corrected_advantages_reach_the_loss():
     """The learner's loss of the corrected batch is the PPO loss with w·A."""
     _, packed = layouts(seed=1)
@@ -239,6 +249,7 @@ def test_corrected_advantages_reach_the_loss():
 
 # --- the recipe ----------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_recipe_keys():
     default = recipe_from_dict({}).algorithm
     assert (default.offpolicy_correction, default.is_level, default.is_cap) == ("none", "token", 2.0)
@@ -258,7 +269,7 @@ def test_recipe_keys():
 
 # --- a tiny run ----------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_tiny_run_logs_the_offpolicy_statistics(tmp_path):
     from anytime.trainer.launch import launch_train
     from tests.helpers import QUICKSTART, read_metrics, tiny_overrides

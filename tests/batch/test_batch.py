@@ -9,6 +9,8 @@ from anytime.batch.packing import build_train_batch, segment_index
 from anytime.batch.train_batch import TrainBatch
 from anytime.reward.verifier import REASONS
 
+pytestmark = pytest.mark.unit
+
 CLOSE, HEADER = (90, 91), (92,)
 
 

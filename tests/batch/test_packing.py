@@ -95,6 +95,7 @@ def rollout_model(tiny_model_dir, tmp_path_factory) -> tuple[str, AnytimeRollout
     return model_dir, rollout
 
 
+@pytest.mark.integration
 def test_packed_rows_train_the_same_tokens(rollout_model):
     _, rollout = rollout_model
     rows, packed = layouts(rollout)
@@ -117,6 +118,7 @@ def test_packed_rows_train_the_same_tokens(rollout_model):
     assert int(row.skip_end[0, :first_branch].abs().sum()) == 0 and row.skip_end[0, first_branch] == first_branch
 
 
+@pytest.mark.integration
 def test_packed_positions_and_visibility_match_the_summary_rows(rollout_model):
     """Each branch token sees exactly the tokens of its own summary row, at the same positions."""
     from anytime.models.attention import visible
@@ -200,6 +202,7 @@ def max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 # Adam's first step is ≈ lr · g / (|g| + eps): float32 rounding of near-zero gradients reaches the
 # weights in proportion to lr, so the float32 case takes the quickstart's lr (2e-4), float64 a large one.
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype,tol,lr", [(torch.float64, 1e-10, 1e-2), (torch.float32, 1e-5, 2e-4)],
                          ids=["fp64", "fp32"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "constant"])
@@ -222,6 +225,7 @@ def assert_same_step(a: dict, b: dict, tol: float, sums: bool = True) -> None:
     assert (weight_err := max_error(a["weights"], b["weights"])) <= tol, f"updated weights differ by {weight_err}"
 
 
+@pytest.mark.unit
 def test_chunked_logprobs_equal_the_full_logits():
     from anytime.algo.logprobs import selected_logprobs, token_entropy, token_logprobs
 
@@ -252,6 +256,7 @@ def test_chunked_logprobs_equal_the_full_logits():
     assert none is None and torch.allclose(again, lp, rtol=0, atol=1e-12)
 
 
+@pytest.mark.integration
 def test_flex_block_mask_equals_the_dense_mask(rollout_model):
     """The CUDA path's BlockMask and the CPU path's dense mask are one mask (FlexAttention's forward
     runs on the CPU; only its backward does not)."""

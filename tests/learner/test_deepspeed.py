@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.deepspeed,
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")]
 
 

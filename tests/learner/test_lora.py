@@ -60,6 +60,7 @@ def _adapter_grads(module) -> dict[str, torch.Tensor]:
             if "lora_" in n and p.grad is not None}
 
 
+@pytest.mark.integration
 def test_one_update_equals_a_hand_built_peft_model(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -94,6 +95,7 @@ def test_one_update_equals_a_hand_built_peft_model(tiny_model_dir):
         {id(p) for n, p in learner.model.named_parameters() if "lora_" in n}
 
 
+@pytest.mark.integration
 def test_tree_packing_gives_the_same_loss_and_adapter_gradients(tiny_model_dir):
     results = []
     for pack in (False, True):
@@ -105,6 +107,7 @@ def test_tree_packing_gives_the_same_loss_and_adapter_gradients(tiny_model_dir):
     assert all(torch.allclose(grads_a[k], grads_b[k], atol=1e-10) for k in grads_a)
 
 
+@pytest.mark.integration
 def test_kl_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -126,6 +129,7 @@ def test_kl_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
     assert sums["kl_ref"] > 0   # computed against the base model
 
 
+@pytest.mark.integration
 def test_engine_merges_adapter_factors_into_the_learners_merged_weights(tiny_model_dir):
     from anytime.learner.lora import adapter_bytes
     from anytime.rollout.hf import HFEngine
@@ -148,6 +152,7 @@ def test_engine_merges_adapter_factors_into_the_learners_merged_weights(tiny_mod
     engine.close()
 
 
+@pytest.mark.integration
 def test_recipe_checks():
     recipe = load_recipe(QUICKSTART, ["learner.lora.rank=8", "learner.lora.target_modules=[q_proj]"])
     assert recipe.learner.lora.rank == 8 and recipe.learner.lora.target_modules == ["q_proj"]
@@ -161,7 +166,7 @@ def test_recipe_checks():
         load_recipe(QUICKSTART, ["learner.lora.rank=-1"])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.deepspeed
 def test_deepspeed_lora_step_equals_torch_and_saves_the_adapter_only(tiny_model_dir, tmp_path):
     pytest.importorskip("deepspeed")
@@ -201,6 +206,7 @@ def test_deepspeed_lora_step_equals_torch_and_saves_the_adapter_only(tiny_model_
         os.environ.update(saved)
 
 
+@pytest.mark.integration
 def test_non_finite_loss_skips_the_adapter_update(tiny_model_dir):
     from anytime.learner.ppo import ppo_update
     from tests.trainer.test_trainer import _batch

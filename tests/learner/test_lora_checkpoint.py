@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     return full, part
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_checkpoint_holds_only_the_adapter_and_resume_is_exact(runs):
     full, part = runs
     a, b = read_metrics(full), read_metrics(part)
@@ -44,7 +44,7 @@ def test_checkpoint_holds_only_the_adapter_and_resume_is_exact(runs):
     assert sum(s["exp_avg"].numel() for s in state.values()) == sum(t.numel() for t in adapter.values())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_export_merged_and_adapter_match_the_learner(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +72,7 @@ def test_export_merged_and_adapter_match_the_learner(runs, tmp_path):
         export_checkpoint(merged, tmp_path / "none", adapter=True)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_eval_takes_a_lora_checkpoint_and_its_adapter_folder(runs, tmp_path, math_data_dir):
     """`anytime eval --model step_N` on a LoRA checkpoint (and on an exported adapter folder) scores what
     its merged export scores: same greedy traces, same accuracies."""

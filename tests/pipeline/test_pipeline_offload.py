@@ -9,6 +9,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from anytime.pipeline.offload import SavedActivations
 
+pytestmark = pytest.mark.unit
+
 
 class _Block(nn.Module):
     """Saves views (transposes) of one buffer and a few separate intermediates."""

@@ -15,6 +15,8 @@ from anytime.pipeline.partition import (
     tied_embeddings,
 )
 
+pytestmark = pytest.mark.unit
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

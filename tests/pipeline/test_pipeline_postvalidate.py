@@ -11,6 +11,8 @@ from torch import nn
 
 from anytime.pipeline.postvalidate import PostValidator, _Snapshot, undo_adam_step
 
+pytestmark = pytest.mark.unit
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

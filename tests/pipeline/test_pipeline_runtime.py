@@ -202,8 +202,8 @@ def _check(results: list[dict], cases: list[dict], world: int) -> None:
                        for row in rows), f"{where}: offload bytes {[(r['offloaded'], r['reloaded']) for r in rows]}"
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_schedule_matches_single_process_on_2_ranks(tmp_path):
     cases = _cases(4) + [
@@ -220,8 +220,8 @@ def test_every_schedule_matches_single_process_on_2_ranks(tmp_path):
     assert "rank 0 must hold stages [0, 3]" in results[0]["_errors"][1]
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_schedule_matches_single_process_on_4_ranks_with_tied_embeddings(tmp_path):
     cases = _cases(4) + [
@@ -233,6 +233,7 @@ def test_every_schedule_matches_single_process_on_4_ranks_with_tied_embeddings(t
 
 # -- single-process checks of the executor's communication plan --------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", SCHEDULES.names())
 def test_receives_follow_the_senders_order(name):
     """Per direction of a rank pair, the receiver posts in exactly the order the sender sends
@@ -250,6 +251,7 @@ def test_receives_follow_the_senders_order(name):
     assert total == 2 * cross * schedule.microbatches  # one activation and one gradient per edge and microbatch
 
 
+@pytest.mark.unit
 def test_forward_only_order_is_a_wavefront_on_v_placement():
     schedule = build_schedule("zb-v", 2, 3)
     order = forward_only_actions(schedule)

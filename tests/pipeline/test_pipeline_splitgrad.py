@@ -8,6 +8,8 @@ from torch import nn
 
 from anytime.pipeline.splitgrad import SplitLinear, WeightGradStore, convert_linears
 
+pytestmark = pytest.mark.unit
+
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)

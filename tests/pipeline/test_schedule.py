@@ -16,6 +16,8 @@ from anytime.pipeline.schedule import (
 )
 from anytime.pipeline.simulate import simulate
 
+pytestmark = pytest.mark.unit
+
 PS = (2, 4, 8)
 # The ZB-H1 closed form assumes a W fits where it is put: T_W <= min(T_F, T_B) (the paper's setting).
 UNEQUAL = [StageCosts(1.0, 1.2, 0.8), StageCosts(1.0, 1.5, 0.5), StageCosts(1.3, 1.0, 0.8), StageCosts(0.7, 2.0, 0.5)]

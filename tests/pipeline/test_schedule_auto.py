@@ -27,6 +27,7 @@ def _check_against_handcrafted(p: int, m: int, costs: StageCosts) -> None:
     assert a2.makespan <= h2.makespan + EPS, (p, m, costs)  # twice that: reaches ZB-H2
 
 
+@pytest.mark.unit
 def test_equal_costs_match_the_handcrafted_bubbles() -> None:
     for p in (2, 4, 8):
         for m in (2 * p, 3 * p + 1):
@@ -36,6 +37,7 @@ def test_equal_costs_match_the_handcrafted_bubbles() -> None:
             assert a2.span_idle == [pytest.approx(0.0)] * p  # the ZB-H2 parallelogram
 
 
+@pytest.mark.unit
 def test_memory_limit_is_respected() -> None:
     p, m, costs = 4, 10, StageCosts(1.0, 1.3, 0.7, 0.1)
     spans = []
@@ -47,6 +49,7 @@ def test_memory_limit_is_respected() -> None:
     assert spans == sorted(spans, reverse=True)
 
 
+@pytest.mark.unit
 def test_per_stage_costs_are_used() -> None:
     costs = [StageCosts(1, 1, 1), StageCosts(1, 1, 1), StageCosts(1.5, 1.5, 1.5), StageCosts(1, 1, 1)]
     auto = simulate(build_schedule("zb-auto", 4, 8, costs=costs), costs)
@@ -54,13 +57,14 @@ def test_per_stage_costs_are_used() -> None:
     assert auto.makespan <= h1.makespan + EPS
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("costs", [StageCosts(1, 1.5, 0.5), StageCosts(1, 0.5, 1.5, 0.2), StageCosts(1, 2, 1, 0.2)])
 def test_zb_auto_vs_handcrafted_fast(costs: StageCosts) -> None:
     for p, m in ((2, 5), (4, 8), (4, 13)):
         _check_against_handcrafted(p, m, costs)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_zb_auto_vs_handcrafted_grid(p: int) -> None:
     for p_, m, costs in _grid((p,)):

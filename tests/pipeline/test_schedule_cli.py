@@ -20,6 +20,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.unit
 def test_json_output(capsys) -> None:
     code, out, _ = _run(["zb-h1", "-p", "4", "-m", "8", "--json"], capsys)
     assert code == 0
@@ -31,6 +32,7 @@ def test_json_output(capsys) -> None:
     assert data["actions"]["3"][:4] == ["3F0", "3I0", "3F1", "3I1"]
 
 
+@pytest.mark.unit
 def test_costs_and_chunks_flags(capsys) -> None:
     code, out, _ = _run(["interleaved-1f1b", "-p", "2", "-m", "4", "-v", "3", "--cost-f", "2",
                          "--cost-b", "2", "--cost-w", "2", "--cost-comm", "0.5", "--json"], capsys)
@@ -39,6 +41,7 @@ def test_costs_and_chunks_flags(capsys) -> None:
     assert data["makespan"] > 3 * 4 * 2  # at least the busy time with F=B=W=2
 
 
+@pytest.mark.unit
 def test_text_output_and_files(tmp_path, capsys) -> None:
     png, trace = tmp_path / "a.png", tmp_path / "a.json"
     code, out, _ = _run(["zb-v", "-p", "4", "-m", "8", "--plot", str(png), "--trace", str(trace)], capsys)
@@ -48,6 +51,7 @@ def test_text_output_and_files(tmp_path, capsys) -> None:
     assert json.loads(trace.read_text())["traceEvents"]
 
 
+@pytest.mark.unit
 def test_compare_table(capsys) -> None:
     code, out, _ = _run(["compare", "-p", "4", "-m", "12"], capsys)
     assert code == 0
@@ -57,6 +61,7 @@ def test_compare_table(capsys) -> None:
     assert rows["zb-v"][2:6] == ["37.50", "4.0%", "4.00", "0.00"]
 
 
+@pytest.mark.unit
 def test_compare_json_reports_unsupported_rows(capsys) -> None:
     code, out, _ = _run(["compare", "-p", "4", "-m", "13", "--json"], capsys)
     rows = {r["schedule"]: r for r in json.loads(out)}
@@ -64,6 +69,7 @@ def test_compare_json_reports_unsupported_rows(capsys) -> None:
     assert rows["zb-h1"]["makespan"] == 42
 
 
+@pytest.mark.unit
 def test_errors_exit_2_with_a_message(capsys) -> None:
     code, _, err = _run(["zb-auto", "-p", "4", "-m", "8", "--mem-limit", "0.5"], capsys)
     assert code == 2 and "below one microbatch" in err
@@ -71,6 +77,7 @@ def test_errors_exit_2_with_a_message(capsys) -> None:
     assert code == 2 and "--plot" in err
 
 
+@pytest.mark.integration
 def test_python_dash_m() -> None:
     proc = subprocess.run([sys.executable, "-m", "anytime.pipeline.command", "1f1b", "-p", "2", "-m", "2", "--json"],
                           capture_output=True, text=True, timeout=120, check=True)

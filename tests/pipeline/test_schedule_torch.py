@@ -11,6 +11,8 @@ _ComputationType = schedules._ComputationType
 from anytime.pipeline import SCHEDULES
 from anytime.pipeline.schedule import build_schedule  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def _grid(name: str) -> list[tuple[int, int]]:
     out = []

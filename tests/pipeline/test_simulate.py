@@ -10,6 +10,8 @@ from anytime.pipeline.plot import plot_timeline, text_timeline
 from anytime.pipeline.schedule import Action, Schedule, StageCosts, build_schedule
 from anytime.pipeline.simulate import DeadlockError, ModelShape, simulate
 
+pytestmark = pytest.mark.unit
+
 
 def test_two_rank_1f1b_timeline_by_hand() -> None:
     r = simulate(build_schedule("1f1b", 2, 2))

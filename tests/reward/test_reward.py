@@ -43,6 +43,7 @@ def gone(pids: list[int]) -> bool:
 # ----------------------------------------------------------------------------- extraction
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -67,6 +68,7 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
     assert extract_boxed(text) == expected
 
 
+@pytest.mark.unit
 def test_extract_boxed_caps_content_and_is_linear() -> None:
     assert extract_boxed(r"\boxed{" + "1" * MAX_ANSWER_CHARS + "}") == "1" * MAX_ANSWER_CHARS
     assert extract_boxed(r"\boxed{" + "1" * (MAX_ANSWER_CHARS + 1) + "}") is None
@@ -77,6 +79,7 @@ def test_extract_boxed_caps_content_and_is_linear() -> None:
     assert time.perf_counter() - start < 2.0  # generous; a quadratic scan takes minutes
 
 
+@pytest.mark.unit
 def test_extract_answer_header_paragraph_rule() -> None:
     text = "intro \\boxed{1}\n\n**Final Answer**\nso \\boxed{2} and \\boxed{3}\n\n\\boxed{4}"
     assert extract_answer(text) == "3"  # last box of the header paragraph, not of the text
@@ -100,6 +103,7 @@ def test_extract_answer_header_paragraph_rule() -> None:
 # ----------------------------------------------------------------------------- gold normalisation
 
 
+@pytest.mark.unit
 def test_normalize_gold() -> None:
     assert normalize_gold(142.0) == ["142"]
     assert normalize_gold(0.5) == ["0.5"]
@@ -122,6 +126,7 @@ def test_normalize_gold() -> None:
 # ----------------------------------------------------------------------------- verdicts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("content", "gold", "score"),
     [
@@ -154,6 +159,7 @@ def test_score_one_verdicts(content: str, gold: object, score: float) -> None:
     assert verdict.parsed == content
 
 
+@pytest.mark.unit
 def test_score_one_format_and_missing_answers() -> None:
     assert score_one("**Final Answer**\n\\boxed{1}", 1) == Verdict(0.0, "bad_format", None)
     two = f"{THINK_END}{THINK_END}\n\n**Final Answer**\n\\boxed{{1}}"
@@ -169,6 +175,7 @@ def test_score_one_format_and_missing_answers() -> None:
     assert set(REASONS) == {"correct", "wrong", "no_answer", "bad_format", "timeout", "error"}
 
 
+@pytest.mark.unit
 def test_score_one_sanitizes_untrusted_text() -> None:
     assert score_one(answer("4\x002"), 42).reason == "correct"
     verdict = score_one(answer("\ud800 7"), 7)  # lone surrogate: replaced, not a crash
@@ -177,6 +184,7 @@ def test_score_one_sanitizes_untrusted_text() -> None:
         score_one(b"bytes", 1)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_score_one_refuses_threads_with_alarm_timeouts() -> None:
     errors: list[BaseException] = []
 
@@ -201,6 +209,7 @@ def scorer():
         yield pool
 
 
+@pytest.mark.integration
 def test_scorer_matches_score_one_in_order(scorer: RewardScorer) -> None:
     golds = list(range(300))
     texts = [answer(str(g if g % 3 else g + 1)) for g in golds]
@@ -215,6 +224,7 @@ def test_scorer_matches_score_one_in_order(scorer: RewardScorer) -> None:
     assert scorer.score([], []) == []
 
 
+@pytest.mark.integration
 def test_scorer_rejects_bad_input(scorer: RewardScorer) -> None:
     with pytest.raises(ValueError, match="2 texts but 1 golds"):
         scorer.score(["a", "b"], [1])
@@ -228,6 +238,7 @@ def test_scorer_rejects_bad_input(scorer: RewardScorer) -> None:
             RewardScorer(**kwargs)
 
 
+@pytest.mark.integration
 def test_scorer_replaces_a_worker_that_died_while_idle(scorer: RewardScorer) -> None:
     victim = scorer.pids[0]
     os.kill(victim, signal.SIGKILL)
@@ -235,7 +246,7 @@ def test_scorer_replaces_a_worker_that_died_while_idle(scorer: RewardScorer) -> 
     assert victim not in scorer.pids and len(scorer.pids) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_adversarial_outputs_score_zero_without_leaks() -> None:
     header = f"{THINK_END}\n\n**Final Answer**\n"
     adversarial = {
@@ -269,7 +280,7 @@ def test_adversarial_outputs_score_zero_without_leaks() -> None:
     assert not [p for p in mp.active_children() if p.pid in pids]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_an_item_that_overruns_is_killed_and_the_scorer_keeps_working() -> None:
     with RewardScorer(num_workers=1, timeout_s=0.5) as pool:
         first = pool.pids[0]
@@ -283,7 +294,7 @@ def test_an_item_that_overruns_is_killed_and_the_scorer_keeps_working() -> None:
     assert gone(pids)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_an_item_starved_of_cpu_by_a_busy_machine_does_not_time_out() -> None:
     """The limit counts the worker's CPU time: a worker that gets no CPU for longer than the limit
     (here: stopped, as a loaded machine would starve it) still finishes its item with a verdict."""
@@ -299,6 +310,7 @@ def test_an_item_starved_of_cpu_by_a_busy_machine_does_not_time_out() -> None:
         assert pool.pids == [pid]  # not killed
 
 
+@pytest.mark.integration
 def test_an_item_whose_worker_dies_twice_is_an_error() -> None:
     """A worker killed from outside mid-item (as the OOM killer would): one retry, then "error"."""
 
@@ -339,7 +351,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL the process that owns the scorer while both workers spin on 9^(9^9)."""
     script = tmp_path / "owner.py"
@@ -360,6 +372,7 @@ def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
     assert gone(pids)
 
 
+@pytest.mark.integration
 def test_close_reaps_workers_also_on_exceptions() -> None:
     with pytest.raises(ValueError):
         with RewardScorer(num_workers=2) as pool:
@@ -382,7 +395,7 @@ def _load_gold_script():
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_benchmark_golds_verify_against_themselves_not_each_other(math_data_dir) -> None:
     golds_script = _load_gold_script()
     with RewardScorer(timeout_s=20.0) as pool:

@@ -18,6 +18,7 @@ def answer(content: str, before: str = "") -> str:
     return f"{before}{THINK_END}\n\n{HEADER}\n\\boxed{{{content}}}"
 
 
+@pytest.mark.unit
 def test_read_answer_reasons() -> None:
     assert read_answer(answer("1/2")) == "1/2"
     assert read_answer("no marker") == Verdict(0.0, "bad_format", None)
@@ -27,6 +28,7 @@ def test_read_answer_reasons() -> None:
     assert read_answer("<e>\n\nA: \\boxed{7}", header="A:", think_end="<e>") == "7"
 
 
+@pytest.mark.unit
 def test_read_answer_is_bounded_on_hostile_text() -> None:
     """The parent reads untrusted text: every case is a few linear passes (a generous bound, far
     below what a quadratic scan of these sizes would take)."""
@@ -64,6 +66,7 @@ def scorers():
         yield dedupe, plain
 
 
+@pytest.mark.integration
 def test_duplicates_get_the_verdict_verifying_them_would_give(scorers) -> None:
     dedupe, plain = scorers
     texts, golds = [], []
@@ -84,6 +87,7 @@ def test_duplicates_get_the_verdict_verifying_them_would_give(scorers) -> None:
     assert plain.last_stats.fraction_saved == 0.0
 
 
+@pytest.mark.integration
 def test_the_same_answer_against_other_golds_is_verified_again(scorers) -> None:
     dedupe, _ = scorers
     verdicts = dedupe.score([answer("5")] * 4, [5, "5", 6, [6, 5]])
@@ -91,7 +95,7 @@ def test_the_same_answer_against_other_golds_is_verified_again(scorers) -> None:
     assert dedupe.last_stats.verified == 3  # 5 and "5" normalise to the same gold
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_duplicated_overrun_costs_one_timeout() -> None:
     with RewardScorer(num_workers=1, timeout_s=1.0) as pool:
         first = pool.pids[0]

@@ -11,6 +11,8 @@ import pytest
 from anytime.reward.answer import MAX_ANSWER_CHARS, as_latex, canonical_spacing
 from anytime.reward.verifier import THINK_END, score_one
 
+pytestmark = pytest.mark.unit
+
 MINERVA_870M = ["8.7 \\times 10^{8}"]  # Minerva, as stored
 MINERVA_E1E2 = ["E_1, E_2"]
 OLYMPIAD_MMAX = ["$m_{\\max }=n^{2}-n-1$"]

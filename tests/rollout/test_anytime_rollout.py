@@ -11,6 +11,8 @@ from anytime.rollout.engine import RolloutEngine, create_engine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import AnytimeSettings
 
+pytestmark = pytest.mark.integration
+
 
 class RecordingEngine(RolloutEngine):
     """A real engine behind the default (two-phase) `generate_anytime`; records the branch prompts."""

@@ -91,6 +91,7 @@ def assert_close_logprobs(a, b, tol=1e-3):
 # ---- config and factory ----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -105,17 +106,20 @@ def test_sampling_config_rejects_bad_values(kwargs, match):
         SamplingConfig(**kwargs)
 
 
+@pytest.mark.unit
 def test_sampling_config_normalises_stop_ids():
     cfg = SamplingConfig(max_new_tokens=3, stop_token_ids=[4, 2])
     assert cfg.stop_token_ids == (4, 2) and hash(cfg)
     assert Branch(3, [1, 2]).suffix == (1, 2)
 
 
+@pytest.mark.integration
 def test_create_engine_rejects_unknown_kind(model_dir):
     with pytest.raises(ValueError, match="one of 'hf', 'vllm'"):
         create_engine("sglang", model_dir, max_model_len=64)
 
 
+@pytest.mark.integration
 def test_hf_engine_rejects_lengths_the_model_cannot_serve(model_dir):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         create_engine("hf", model_dir, max_model_len=10_000)
@@ -126,6 +130,7 @@ def test_hf_engine_rejects_lengths_the_model_cannot_serve(model_dir):
 # ---- hf engine --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_hf_greedy_matches_learner(hf, learner):
     out = hf.generate(PROMPTS, SamplingConfig(max_new_tokens=30, temperature=0, n=2))
     assert [len(o) for o in out] == [2, 2, 2]
@@ -145,6 +150,7 @@ def naive_branches(engine, prefixes, branches, params):
         engine.prefix_reuse = True
 
 
+@pytest.mark.integration
 def test_hf_prefix_reuse_equals_naive_reprefill(hf, learner):
     max_new = 20
     params = SamplingConfig(max_new_tokens=max_new, temperature=0, n=2)
@@ -164,6 +170,7 @@ def test_hf_prefix_reuse_equals_naive_reprefill(hf, learner):
                     assert_close_logprobs(got[i][j][k].logprobs, ref_lp, 1e-4)
 
 
+@pytest.mark.integration
 def test_hf_kept_kv_of_early_stopped_traces(hf):
     """Traces that stop at different steps (rows dropped from the batch mid-way) keep exactly their
     own KV: summaries from it equal summaries from a fresh prefill of each branch prompt."""
@@ -187,6 +194,7 @@ def test_hf_kept_kv_of_early_stopped_traces(hf):
             assert_close_logprobs(x[0].logprobs, y[0].logprobs, 1e-4)
 
 
+@pytest.mark.integration
 def test_hf_branches_chunked_batches_agree(model_dir, hf):
     """A tiny max_batch_rows splits the work into many chunks; results must not change."""
     prefixes, branches = make_prefixes(hf)
@@ -205,6 +213,7 @@ def test_hf_branches_chunked_batches_agree(model_dir, hf):
         assert_close_logprobs(x.logprobs, y.logprobs, 1e-4)
 
 
+@pytest.mark.integration
 def test_hf_sampling_is_seeded_and_logprobs_are_raw(hf, learner):
     params = SamplingConfig(max_new_tokens=20, n=3, temperature=1.7, top_p=0.9, seed=11)
     first = hf.generate(PROMPTS, params)
@@ -217,12 +226,14 @@ def test_hf_sampling_is_seeded_and_logprobs_are_raw(hf, learner):
             assert_close_logprobs(c.logprobs, reference_logprobs(learner, prompt, c.token_ids), 1e-4)
 
 
+@pytest.mark.integration
 def test_hf_tiny_top_p_is_greedy(hf):
     greedy = hf.generate(PROMPTS, SamplingConfig(max_new_tokens=15, temperature=0))
     nucleus = hf.generate(PROMPTS, SamplingConfig(max_new_tokens=15, temperature=1.0, top_p=1e-6, seed=3))
     assert [o[0].token_ids for o in nucleus] == [o[0].token_ids for o in greedy]
 
 
+@pytest.mark.integration
 def test_hf_stops_after_stop_token(hf):
     # With a wide stop set, random sampling hits one quickly; the stop token is kept and is last.
     stop = tuple(range(0, 512, 3))
@@ -238,6 +249,7 @@ def test_hf_stops_after_stop_token(hf):
         assert len(c.logprobs) == len(c.token_ids)
 
 
+@pytest.mark.integration
 def test_hf_update_weights_changes_output_and_matches_learner(model_dir):
     new = perturbed_copy(model_dir)
     params = SamplingConfig(max_new_tokens=25, temperature=0)
@@ -250,6 +262,7 @@ def test_hf_update_weights_changes_output_and_matches_learner(model_dir):
         assert a[0].token_ids == reference_greedy(new, prompt, 25)[0]
 
 
+@pytest.mark.integration
 def test_hf_update_weights_is_strict_and_atomic(model_dir):
     params = SamplingConfig(max_new_tokens=10, temperature=0)
     new = perturbed_copy(model_dir)
@@ -277,6 +290,7 @@ class _ForwardCounter:
         self._handle.remove()
 
 
+@pytest.mark.integration
 def test_bad_requests_fail_before_generation(hf):
     counter = _ForwardCounter(hf.model)
     ok = SamplingConfig(max_new_tokens=8)
@@ -308,6 +322,7 @@ def test_bad_requests_fail_before_generation(hf):
         counter.remove()
 
 
+@pytest.mark.integration
 def test_closed_engine_refuses_work(model_dir):
     eng = create_engine("hf", model_dir, max_model_len=64)
     eng.close()
@@ -316,6 +331,7 @@ def test_closed_engine_refuses_work(model_dir):
         eng.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=2))
 
 
+@pytest.mark.integration
 def test_empty_requests(hf):
     assert hf.generate([], SamplingConfig(max_new_tokens=2)) == []
     assert hf.generate_branches([[1, 2, 3]], [[]], SamplingConfig(max_new_tokens=2)) == [[]]
@@ -360,6 +376,7 @@ def engine_processes_left(before: set[int]) -> list[list[str]]:
     return [c for c in map(command, new) if c is not None]
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_greedy_matches_hf(vllm_engine, hf):
     params = SamplingConfig(max_new_tokens=30, temperature=0, n=2)
@@ -372,6 +389,7 @@ def test_vllm_greedy_matches_hf(vllm_engine, hf):
             assert_close_logprobs(vc.logprobs, hc.logprobs, 1e-3)
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_branches_match_hf(vllm_engine, hf):
     prefixes, branches = make_prefixes(hf)
@@ -384,6 +402,7 @@ def test_vllm_branches_match_hf(vllm_engine, hf):
             assert_close_logprobs(v[i][j][0].logprobs, h[i][j][0].logprobs, 1e-3)
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_seeded_sampling_stops_and_raw_logprobs(vllm_engine, hf):
     stop = tuple(range(0, 512, 3))
@@ -434,6 +453,7 @@ def assert_same_samples(a, b):
         assert_close_logprobs(x.logprobs, y.logprobs, 1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_streamed_summaries_sample_what_two_phases_sample(vllm_engine):
     """Streamed summaries (queued as each trace ends) give every trace and summary of the phased
@@ -457,6 +477,7 @@ def test_vllm_streamed_summaries_sample_what_two_phases_sample(vllm_engine):
     assert 0 < streamed.thinking_s <= streamed.total_s
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_streamed_plan_errors_leave_the_engine_clean(vllm_engine):
     greedy = SamplingConfig(max_new_tokens=12, temperature=0)
@@ -470,6 +491,7 @@ def test_vllm_streamed_plan_errors_leave_the_engine_clean(vllm_engine):
     assert vllm_engine.generate(PROMPTS, greedy) == before  # nothing left over in the engine
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_update_weights_matches_learner(vllm_engine, model_dir):
     new = perturbed_copy(model_dir)
@@ -488,6 +510,7 @@ def test_vllm_update_weights_matches_learner(vllm_engine, model_dir):
     assert vllm_engine.generate(PROMPTS, params) == before
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_bad_requests_fail_before_generation(vllm_engine):
     ok = SamplingConfig(max_new_tokens=8)
@@ -499,6 +522,7 @@ def test_vllm_bad_requests_fail_before_generation(vllm_engine):
         vllm_engine.generate_branches([[1, 2, 3]], [[Branch(4, (CLOSE,))]], ok)
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_sleep_is_a_logged_noop_on_cpu(vllm_engine, caplog):
     if not vllm_engine.on_cpu:
@@ -511,6 +535,7 @@ def test_vllm_sleep_is_a_logged_noop_on_cpu(vllm_engine, caplog):
     assert len(out[0][0].token_ids) == 3
 
 
+@pytest.mark.unit
 @pytest.mark.vllm
 def test_vllm_rejects_unservable_head_dim(tmp_path):
     pytest.importorskip("vllm")
@@ -523,6 +548,7 @@ def test_vllm_rejects_unservable_head_dim(tmp_path):
         create_engine("vllm", str(path), max_model_len=64)
 
 
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     """The layout used inside a multi-process learner: the engine runs in its own process, samples
@@ -564,6 +590,7 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     assert {p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()} <= sockets_before
 
 
+@pytest.mark.integration
 def test_orphaned_weight_files_are_removed(tmp_path):
     pytest.importorskip("psutil")
     from anytime.rollout.weight_files import remove_orphaned_weight_files
@@ -578,6 +605,7 @@ def test_orphaned_weight_files_are_removed(tmp_path):
     assert not orphan.exists() and live.exists() and other.exists()
 
 
+@pytest.mark.integration
 def test_weights_file_keeps_tied_and_sliced_tensors():
     from safetensors.torch import load_file
 

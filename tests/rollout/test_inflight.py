@@ -16,6 +16,8 @@ from anytime.rollout.engine import SamplingConfig, create_engine
 from anytime.rollout.inflight import WeightMailbox
 from tests.helpers import QUICKSTART
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
 SWAP_AT = 3   # the tokens sampled from the 4th distribution on come from the new weights
 

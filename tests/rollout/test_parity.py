@@ -18,6 +18,7 @@ from anytime.rollout.engine import Completion, RolloutEngine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import AnytimeSettings
 
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,12 +46,14 @@ class ScriptedEngine(RolloutEngine):
         pass
 
 
+@pytest.mark.unit
 def test_close_text_is_the_official_one():
     assert defaults.CLOSE_TEXT == "...\n\n...\n\n</think>"
     for recipe in ("ar_uniform.yaml", "ar_base.yaml", "grpo.yaml", "ar_uniform_16k.yaml"):
         assert load_recipe(REPO / "recipes" / "paper" / recipe).summary.close_text == defaults.CLOSE_TEXT
 
 
+@pytest.mark.integration
 def test_a_trace_ending_in_eos_is_really_cut_below_its_length(tiny_model_dir):
     """Budgets {2, 4, 6}, trace [t, t, EOS]: budget 2 is a real truncation, scored as usual and its
     own prefix group; budgets 4 and 6 (≥ |z| = 3) score 0 and share a group."""
@@ -72,6 +75,7 @@ def test_a_trace_ending_in_eos_is_really_cut_below_its_length(tiny_model_dir):
     assert runner.summary_plan(3, False, False, [2, 4, 6])[1] == [0, 1, 1]  # no EOS: z[:3] at 4 and 6
 
 
+@pytest.mark.unit
 def test_one_summary_per_budget_uses_the_trace_mean_baseline():
     """A = 1: the baseline is the mean over the G traces at the same budget even where prefix groups
     say a summary is alone (before the fix it got baseline 0)."""
@@ -82,6 +86,7 @@ def test_one_summary_per_budget_uses_the_trace_mean_baseline():
     assert torch.allclose(adv[:, 1, 0], torch.tensor([1 / 3, 1 / 3, -2 / 3], dtype=torch.float64))
 
 
+@pytest.mark.unit
 def test_constant_normaliser_width_is_a_recipe_field():
     batch = TrainBatch(torch.ones(1, 4, dtype=torch.long), torch.tensor([4]), torch.tensor([0]),
                        torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3, dtype=torch.bool),

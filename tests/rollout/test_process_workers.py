@@ -35,7 +35,7 @@ def weight_files() -> list[str]:
     return glob.glob("/dev/shm/anytime-weights-*") + glob.glob(os.path.join("/tmp", "anytime-weights-*"))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_processes_sample_what_the_in_process_worker_samples(tmp_path):
     from tests.rollout.test_rollout_workers import assert_same_run, assert_weights_reached_the_workers
 
@@ -52,7 +52,7 @@ def test_worker_processes_sample_what_the_in_process_worker_samples(tmp_path):
     assert set(weight_files()) == before
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_model_dir):
     from transformers import AutoTokenizer
 
@@ -103,7 +103,7 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
     assert not left()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_processes_end_with_a_learner_killed_mid_run(tmp_path):
     """The learner SIGKILLed (as by the OOM killer) mid-run: its worker processes and their weight
     files are gone within seconds (the watchdog), so nothing keeps running."""

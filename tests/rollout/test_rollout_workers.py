@@ -56,7 +56,7 @@ def assert_weights_reached_the_workers(metrics: dict[int, dict]) -> None:
     assert all(m["update/grad_norm"] > 0 and m["update/skipped_updates"] == 0 for m in metrics.values())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.distributed
 def test_colocated_workers_sample_what_one_worker_samples(tmp_path):
     one = train(tmp_path / "one" / "run", "learner.num_processes=2", "rollout.placement=inprocess")
@@ -66,7 +66,7 @@ def test_colocated_workers_sample_what_one_worker_samples(tmp_path):
     assert_weights_reached_the_workers(two)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.distributed
 @pytest.mark.vllm
 @needs_vllm
@@ -78,7 +78,7 @@ def test_colocated_vllm_workers_sample_what_one_worker_samples(tmp_path):
     assert_weights_reached_the_workers(two)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.ray
 @needs_ray
 def test_ray_workers_sample_what_one_worker_samples(tmp_path, ray_address):
@@ -91,7 +91,7 @@ def test_ray_workers_sample_what_one_worker_samples(tmp_path, ray_address):
     assert_same_run(local, two)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.vllm
 @needs_ray
@@ -101,7 +101,7 @@ def test_a_vllm_engine_in_a_ray_actor(tmp_path, ray_address):
     assert_weights_reached_the_workers(metrics)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.ray
 @needs_ray
 def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address):
@@ -171,7 +171,7 @@ ray.shutdown()
 """
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.ray
 @needs_ray
 def test_closed_ray_workers_leave_no_temporary_folders(tiny_model_dir):
@@ -192,6 +192,7 @@ def test_closed_ray_workers_leave_no_temporary_folders(tiny_model_dir):
     assert folders["after"] == [], folders
 
 
+@pytest.mark.integration
 def test_the_watchdog_ends_what_a_killed_owner_started_and_deletes_its_files(tmp_path):
     (tmp_path / "other.bin").write_bytes(b"not the owner's")
     owner = subprocess.Popen([sys.executable, "-c", WATCHED, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -215,7 +216,7 @@ def _descendants_named(root: int, marker: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.distributed
 @pytest.mark.vllm
 @needs_vllm
@@ -255,7 +256,7 @@ def test_nothing_survives_a_learner_killed_mid_run(tmp_path):
                 pass
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.distributed
 def test_two_nodes_on_one_machine_train_like_one_node(tmp_path):
     """torch.distributed elastic's multi-node launch (c10d rendezvous), two `anytime train` on one

@@ -14,6 +14,7 @@ from anytime.rollout.seeding import request_seeds, sample_seeds, uniforms
 from anytime.rollout.settings import AnytimeSettings
 
 
+@pytest.mark.unit
 def test_streams_are_uniform_and_independent():
     seeds = sample_seeds(request_seeds(7, range(2000)), 4)
     assert len(set(seeds.tolist())) == 8000
@@ -30,6 +31,7 @@ def engine(tiny_model_dir):
         yield eng
 
 
+@pytest.mark.integration
 def test_inverse_cdf_sampling_follows_the_distribution(engine):
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).repeat(20000, 1)
     rng = sample_seeds(request_seeds(0, range(20000)), 1)
@@ -38,6 +40,7 @@ def test_inverse_cdf_sampling_follows_the_distribution(engine):
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64), atol=0.015)
 
 
+@pytest.mark.integration
 def test_hf_samples_do_not_depend_on_the_rest_of_the_call(engine, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 3. What is the last digit of the result?")
@@ -69,6 +72,7 @@ def test_hf_samples_do_not_depend_on_the_rest_of_the_call(engine, tiny_model_dir
         engine.generate(prompts, SamplingConfig(max_new_tokens=2, request_seeds=seeds[:2]))
 
 
+@pytest.mark.integration
 def test_anytime_rollout_of_a_prompt_is_the_same_on_any_worker(engine, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 4. Step 2: add 5. What is the last digit of the result?")

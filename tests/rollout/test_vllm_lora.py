@@ -15,7 +15,7 @@ from anytime.rollout.engine import SamplingConfig, create_engine
 from tests.learner.test_lora import _lora_learner
 from tests.rollout.test_engines import CORPUS, MAX_LEN, PROMPTS, assert_close_logprobs
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 def adapter_folders() -> set[str]:

@@ -11,6 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from anytime.tasks.tiny import SPECIAL_TOKENS, build_tiny_model
 
+pytestmark = pytest.mark.unit
+
 CORPUS = [
     f"Q: {a} times {b}? <think>\n{a}*{b}={a * b}\n</think>\n\\boxed{{{a * b}}}" for a in range(25) for b in range(25)
 ]

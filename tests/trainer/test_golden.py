@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 GOLDEN = REPO / "tests" / "golden" / "quickstart.json"
@@ -116,7 +118,6 @@ def warm_model(tmp_path_factory) -> Path:
     return warm_start(tmp_path_factory.mktemp("golden"))
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_first_rl_steps_match_the_golden_run(name, warm_model, tmp_path):

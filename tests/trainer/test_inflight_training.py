@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 
+pytestmark = pytest.mark.e2e
+
 INFLIGHT = ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"]
 
 
@@ -28,7 +30,6 @@ def train(out: Path, ray_address: str | None, *extra: str) -> dict[int, dict]:
     return metrics | {"timed_swaps": len(timings)}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
 def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, request):
     from tests.rollout.test_rollout_workers import assert_same_run
@@ -49,7 +50,6 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 
-@pytest.mark.slow
 def test_inflight_tokens_are_never_older_than_k_steps(tmp_path):
     metrics = train(tmp_path / "run", None, "learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT,
                     "rollout.placement=processes")
@@ -64,7 +64,6 @@ def test_inflight_tokens_are_never_older_than_k_steps(tmp_path):
     assert max(m["train/logprob_mismatch"] for m in metrics.values()) > 1e-3
 
 
-@pytest.mark.slow
 def test_inflight_checkpoints_lose_no_batch_in_flight(tmp_path):
     """In flight, a checkpoint holds the batches still in flight, as in locked mode: a run resumed
     from step 2 of k = 2 trains the very batches (tokens, versions, behaviour log-probs) of steps 3

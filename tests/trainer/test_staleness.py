@@ -25,6 +25,7 @@ from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 LOCKED = ["rollout.max_staleness=1"]
 
 
+@pytest.mark.unit
 def test_recipe_check_keeps_shared_devices_lock_step():
     with pytest.raises(RecipeError, match="colocated rollouts and `rollout.enable_sleep` share its device"):
         load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=colocated"])
@@ -65,7 +66,7 @@ def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
         trainer.close()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_locked_k1_equals_lock_step_with_batches_one_step_late(tmp_path):
     out = tmp_path / "locked" / "run"
     assert launch_train(QUICKSTART, tiny_overrides(out, steps=3) + LOCKED) == 0
@@ -82,7 +83,7 @@ def test_locked_k1_equals_lock_step_with_batches_one_step_late(tmp_path):
     assert sync[3]["update/loss"] != locked[3]["update/loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_resume_with_batches_in_flight_equals_an_unbroken_run(tmp_path):
     import json
     import shutil
@@ -106,7 +107,7 @@ def test_resume_with_batches_in_flight_equals_an_unbroken_run(tmp_path):
         json.loads((full / "final_eval.json").read_text())["after"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.ray
 def test_ray_workers_in_the_background_sample_what_the_in_process_worker_samples(tmp_path, ray_address):
     from tests.rollout.test_rollout_workers import assert_same_run
@@ -128,7 +129,7 @@ def test_ray_workers_in_the_background_sample_what_the_in_process_worker_samples
     assert two[3]["train/logprob_mismatch"] > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.ray
 def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_dir, ray_address):
     from transformers import AutoTokenizer
@@ -180,7 +181,7 @@ class OneRankLearner:
         return self.state
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.ray
 def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_model_dir, ray_address):
     """Locked k = 2 with `rollout.worker_restarts: 1`: worker 1 dies with three rollouts in flight, one

@@ -34,6 +34,7 @@ def hardware(learner_tokens_per_s: float = 640.0, sync: float = 0.5, slots: int 
     return Hardware(DECODE, slots, learner_tokens_per_s, sync)
 
 
+@pytest.mark.unit
 def test_lockstep_colocated_is_generation_then_learning_then_sync():
     # 2 devices, each 2 prompts × 2 traces: 4 traces of 100 tokens together, then their 16 summaries in one wave
     generation, summaries = 100 * step_s(4), 10 * step_s(16)
@@ -46,6 +47,7 @@ def test_lockstep_colocated_is_generation_then_learning_then_sync():
     assert p.rollout_idle_s == pytest.approx(0, abs=1e-9) and p.learner_idle_s == pytest.approx(0, abs=1e-9)
 
 
+@pytest.mark.unit
 def test_lockstep_split_leaves_each_side_idle_while_the_other_works():
     p = simulate("lockstep", constant(), hardware(), Split(2, 1))
     generation = 100 * step_s(4) + 10 * step_s(16)
@@ -55,6 +57,7 @@ def test_lockstep_split_leaves_each_side_idle_while_the_other_works():
     assert p.learner_idle_s == pytest.approx(generation, abs=1e-9)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("learner_tokens_per_s", [1280.0, 320.0])   # engine-bound, learner-bound
 def test_locked_one_step_stale_hides_the_shorter_side(learner_tokens_per_s):
     generation = 100 * step_s(4) + 10 * step_s(16)
@@ -64,6 +67,7 @@ def test_locked_one_step_stale_hides_the_shorter_side(learner_tokens_per_s):
     assert p.first_step_s == pytest.approx(generation + learn + 0.5, abs=1e-9)   # nothing to overlap at start
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("learner_tokens_per_s", [1280.0, 355.0, 160.0])
 def test_inflight_against_locked_when_every_trace_has_the_same_length(learner_tokens_per_s):
     """With every slot busy in both (4 traces on 4 slots, 16 summaries in 4 full waves) the engines do
@@ -79,6 +83,7 @@ def test_inflight_against_locked_when_every_trace_has_the_same_length(learner_to
     assert inflight.engine_pause_s == pytest.approx(sync if generation > learn else 0.0, abs=1e-9)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_inflight_beats_locked_on_a_long_tail_when_swaps_are_free(seed):
     box = hardware(learner_tokens_per_s=1e6, sync=0.0)
@@ -88,6 +93,7 @@ def test_inflight_beats_locked_on_a_long_tail_when_swaps_are_free(seed):
         assert inflight.step_s < 0.95 * locked.step_s, (k, inflight.step_s, locked.step_s)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_staleness_never_slows_the_locked_mode(seed):
     for box in (hardware(160.0), hardware(2000.0)):   # learner-bound, engine-bound
@@ -97,6 +103,7 @@ def test_staleness_never_slows_the_locked_mode(seed):
         assert times[-1] < times[0]
 
 
+@pytest.mark.unit
 def test_more_rollout_devices_never_slow_generation():
     # prompt p goes to device p % R, so each device's prompts at 2R are a subset of one device's at R
     runs = [simulate("lockstep", varying(), hardware(), Split(r, 1), seed=3) for r in (1, 2, 4, 8)]
@@ -107,6 +114,7 @@ def test_more_rollout_devices_never_slow_generation():
     assert rollout[-1] < rollout[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode,k,split", [("lockstep", 0, Split.colocated_on(2)), ("lockstep", 0, Split(2, 1)),
                                           ("locked", 2, Split(2, 1)), ("inflight", 2, Split(3, 1))])
 def test_the_breakdown_adds_up_to_the_step(mode, k, split):
@@ -121,6 +129,7 @@ def test_the_breakdown_adds_up_to_the_step(mode, k, split):
     assert len(set(round(t, 6) for t in p.step_times)) > 1   # the sampled lengths vary the steps
 
 
+@pytest.mark.unit
 def test_calibrate_recovers_the_decode_model():
     model = DecodeModel(latency_s=0.008, peak_tokens_per_s=12000.0)
     fitted = calibrate((256, model.step_s(256)), (16, model.step_s(16)))
@@ -134,6 +143,7 @@ def test_calibrate_recovers_the_decode_model():
         calibrate((16, 0.001), (256, 0.1))   # more than proportional: negative latency
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("change,message", [
     (dict(split=Split(0, 2)), "at least one device"),
     (dict(split=Split(2, 0)), "at least one device"),
@@ -154,6 +164,7 @@ def test_bad_inputs_say_what_to_change(change, message):
         simulate(**{**args, **change})
 
 
+@pytest.mark.e2e
 def test_paper_scale_script_runs(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "eval" / "async_scale.py"), "--out", str(tmp_path), "--steps",
                           "8", "--shares", "0.3", "--learner-factors", "2"],
@@ -171,6 +182,7 @@ def test_paper_scale_script_runs(tmp_path):
     assert "recommended" in out.stdout
 
 
+@pytest.mark.unit
 def test_the_documented_example_runs(capsys):
     text = (REPO / "docs" / "async.md").read_text()
     examples = [body for body in re.findall(r"```python\n(.*?)```", text, re.S) if "anytime.trainer.timeline" in body]

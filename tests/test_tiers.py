@@ -1,0 +1,103 @@
+"""The suite's own rules (`tests/tiers.py`), run on small suites written here: a test without exactly
+one tier marker fails collection by name, a unit test that starts a process fails, and a run that
+leaves a file behind fails naming it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests import tiers
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A pytest run of its own, with the rules as its only conftest and its own mark on processes."""
+    monkeypatch.setenv(tiers.RUN_MARK, "inner-run")
+    monkeypatch.delenv(tiers.AUDIT, raising=False)
+    monkeypatch.setattr(tiers, "SETTLE_SECONDS", 0.2)
+    return pytester
+
+
+@pytest.mark.unit
+def test_a_test_without_exactly_one_tier_fails_collection_by_name(inner):
+    inner.makepyfile(test_sample="""
+        import pytest
+
+        def test_untiered():
+            pass
+
+        @pytest.mark.unit
+        @pytest.mark.e2e
+        def test_two_tiers():
+            pass
+
+        @pytest.mark.integration
+        def test_one_tier():
+            pass
+    """)
+    result = inner.runpytest_inprocess("-p", "tests.tiers")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*every test needs exactly one tier marker:",
+                                 "*test_sample.py::test_untiered: tier markers none; mark it with exactly one of*",
+                                 "*test_sample.py::test_two_tiers: tier markers e2e, unit;*"])
+    assert "test_one_tier" not in result.stderr.str()
+
+
+@pytest.mark.unit
+def test_a_module_mark_counts_as_the_tier_of_each_test(inner):
+    inner.makepyfile(test_sample="""
+        import pytest
+
+        pytestmark = pytest.mark.unit
+
+        def test_plain():
+            pass
+    """)
+    assert inner.runpytest_inprocess("-p", "tests.tiers").ret == pytest.ExitCode.OK
+
+
+@pytest.mark.integration   # it starts a process itself, inside the inner run
+@pytest.mark.parametrize("where", ["test", "fixture"])
+def test_a_unit_test_that_starts_a_process_fails(inner, where):
+    inner.makepyfile(test_sample=f"""
+        import subprocess, sys
+        import pytest
+
+        @pytest.fixture
+        def process():
+            if {where == "fixture"!r}:
+                subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+        @pytest.mark.unit
+        def test_starts_one(process):
+            if {where == "test"!r}:
+                subprocess.run([sys.executable, "-c", "pass"], check=True)
+    """)
+    result = inner.runpytest_inprocess("-p", "tests.tiers")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*test_starts_one is marked unit but started a child process*mark it integration*"])
+
+
+@pytest.mark.unit
+def test_a_run_that_leaves_a_file_behind_fails_naming_it(inner):
+    inner.makepyfile(test_sample="""
+        import os, tempfile
+        import pytest
+
+        @pytest.mark.unit
+        def test_leaves_a_file():
+            os.close(tempfile.mkstemp(prefix="left-behind-")[0])
+    """)
+    before = set(Path(tempfile.gettempdir()).glob("left-behind-*"))
+    try:
+        result = inner.runpytest_inprocess("-p", "tests.tiers")
+    finally:
+        left = set(Path(tempfile.gettempdir()).glob("left-behind-*")) - before
+        for path in left:
+            path.unlink()
+    assert len(left) == 1
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*the test run left these behind*", f"*{next(iter(left))}"])

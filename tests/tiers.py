@@ -1,0 +1,201 @@
+"""The suite's rules, as a pytest plugin (loaded by `tests/conftest.py`):
+
+- **Tiers.** Every test carries exactly one of the markers `unit` (pure functions and small modules,
+  no child process), `integration` (engines, processes, Ray, DeepSpeed, a few training steps) or
+  `e2e` (whole runs through the CLI, real models). Collection fails, naming each test, when one has
+  none or more than one. A unit test that starts a child process fails; unit tests slower than
+  `UNIT_SECONDS` are listed at the end of the run (a list, never a failure: time is the machine's).
+- **Nothing left behind.** The run fails when it ends with a file in the temporary folder or
+  `/dev/shm`, or a child process, that was not there when it started (multiprocessing's `pymp-*`
+  folders, Ray sessions, torchrun's folders, weight files, semaphores, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+TIERS = ("unit", "integration", "e2e")
+UNIT_SECONDS = 2.0
+# Entries of the temporary folder that are not a run's leftovers: pytest's own tmp_path root, and
+# compiler caches shared by every run on the machine.
+KEPT_TEMP_PREFIXES = ("pytest-of-", "torchinductor_", "hsperfdata_")
+# How long the end-of-run check waits for processes and files that are still being cleaned up.
+SETTLE_SECONDS = 15.0
+# ANYTIME_TIER_AUDIT=FILE: no tier check; every test's call time and whether it started a child
+# process are appended to FILE as JSON lines (how the tiers were first assigned).
+AUDIT = "ANYTIME_TIER_AUDIT"
+RUN_MARK = "ANYTIME_TEST_RUN"
+
+
+def tier_problems(items: list[pytest.Item]) -> list[str]:
+    """One line for each test that has no tier marker or more than one."""
+    problems = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            found = ", ".join(tiers) if tiers else "none"
+            problems.append(f"{item.nodeid}: tier markers {found}; mark it with exactly one of "
+                            f"{', '.join('@pytest.mark.' + t for t in TIERS)}")
+    return problems
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, what in (("unit", "pure functions and small modules: no child process, each under ~2 s"),
+                       ("integration", "engines, processes, Ray, DeepSpeed, a few training steps"),
+                       ("e2e", "whole runs through the CLI, real models")):
+        config.addinivalue_line("markers", f"{tier}: tier: {what}")
+    config.stash[_SLOW_UNITS] = []
+    if not _is_xdist_worker(config):
+        # Every process the run starts inherits this mark, also those that outlive their parent.
+        os.environ.setdefault(RUN_MARK, f"{os.getpid()}-{time.time_ns()}")
+        config.stash[_BEFORE] = leftovers()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(AUDIT):
+        return
+    problems = tier_problems(items)
+    if problems:
+        raise pytest.UsageError("every test needs exactly one tier marker:\n  " + "\n  ".join(problems))
+
+
+def _watched(item: pytest.Item) -> bool:
+    return item.get_closest_marker("unit") is not None or bool(os.environ.get(AUDIT))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if _watched(item):   # fixtures count: a unit test's pool is a child too
+        item.stash[_CHILDREN] = (_children_cpu(), _live_children())
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    started = time.perf_counter()
+    result = yield
+    took = time.perf_counter() - started
+    if _CHILDREN in item.stash and took > UNIT_SECONDS:
+        item.config.stash[_SLOW_UNITS].append((took, item.nodeid))
+    item.stash[_TOOK] = took
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield
+    if _CHILDREN in item.stash:
+        cpu_before, live_before = item.stash[_CHILDREN]
+        started = _live_children() - live_before
+        children = bool(started or _children_cpu() > cpu_before)
+        if os.environ.get(AUDIT):   # the suite's own survey: what each test costs and starts
+            with open(os.environ[AUDIT], "a") as f:
+                f.write(json.dumps({"test": item.nodeid, "seconds": item.stash.get(_TOOK, 0.0),
+                                    "children": children, "fixtures": item.fixturenames}) + "\n")
+        elif children:
+            what = f"{len(started)} still running" if started else "one that ended"
+            pytest.fail(f"{item.nodeid} is marked unit but started a child process ({what}): mark it "
+                        "integration", pytrace=False)
+    return result
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    slow = sorted(config.stash.get(_SLOW_UNITS, []), reverse=True)
+    if slow:
+        terminalreporter.section(f"unit tests over {UNIT_SECONDS:g} s (move them up a tier or make them smaller)")
+        for took, nodeid in slow:
+            terminalreporter.line(f"{took:6.1f}s {nodeid}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every other finish hook (xdist's included, which stops its workers): fail the run when
+    it left something behind."""
+    config = session.config
+    if _is_xdist_worker(config) or _BEFORE not in config.stash:
+        return
+    before = config.stash[_BEFORE]
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while (left := leftovers() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        lines = "\n  ".join(sorted(left))
+        message = f"the test run left these behind (each test must clean up after itself):\n  {lines}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def leftovers() -> set[str]:
+    """What a run can leave behind: entries of the temporary folder and of /dev/shm, and the live
+    processes that carry this run's mark; not this process's own multiprocessing helpers (the
+    forkserver, the resource tracker and their folder), which end when it does."""
+    import multiprocessing.process
+
+    found = set()
+    temp = Path(tempfile.gettempdir())
+    for folder in (temp, Path("/dev/shm")):
+        if folder.is_dir():
+            found |= {str(p) for p in folder.iterdir() if not p.name.startswith(KEPT_TEMP_PREFIXES)}
+    ray = temp / "ray"
+    if ray.is_dir():   # Ray keeps one folder per session under /tmp/ray
+        found |= {str(p) for p in ray.iterdir() if p.name.startswith("session_2")}
+    own = multiprocessing.process.current_process()._config.get("tempdir")
+    return (found - {own}) | _marked_processes()
+
+
+def _marked_processes() -> set[str]:
+    import psutil
+
+    mark, found = os.environ.get(RUN_MARK), set()
+    helpers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+    for proc in psutil.process_iter():
+        try:
+            own_helper = proc.ppid() == os.getpid() and any(h in " ".join(proc.cmdline()) for h in helpers)
+            if proc.pid != os.getpid() and not own_helper and proc.status() != psutil.STATUS_ZOMBIE and \
+                    proc.environ().get(RUN_MARK) == mark:
+                found.add(f"process {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            pass
+    return found
+
+
+def _live_children() -> set[str]:
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.add(f"{child.pid} {' '.join(child.cmdline())[:200]}")
+        except psutil.Error:
+            pass
+    return found
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have ended and been waited for."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+_BEFORE = pytest.StashKey[set]()
+_SLOW_UNITS = pytest.StashKey[list]()
+_CHILDREN = pytest.StashKey[tuple]()
+_TOOK = pytest.StashKey[float]()

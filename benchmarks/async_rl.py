@@ -22,10 +22,12 @@ staleness metrics, and `sim_error` / `sim_error_inflight` (|predicted - measured
 k=1 and in-flight k=2).
 
 Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
+                                    [--prompts 8]
   --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
   a few minutes on 2 cores), whose traces mostly end before the largest budget;
   --model: an already warm-started model (e.g. runs/quickstart/sft_model);
-  default: a random tiny model built here, whose traces all run to the largest budget.
+  default: a random tiny model built here, whose traces all run to the largest budget;
+  --prompts: prompts per step (and per mini-batch) instead of the quickstart's 8.
 """
 
 from __future__ import annotations
@@ -118,13 +120,16 @@ def main() -> int:
     parser.add_argument("--warm-steps", type=int, default=None, help="its supervised steps (default: the recipe's)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (start-up)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs at least 2 cores: one for the rollout actor, the rest for the learner")
     from anytime.config import load_recipe
 
-    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    shape = ([f"rollout.prompts_per_step={args.prompts}", f"learner.mini_batch_prompts={args.prompts}"]
+             if args.prompts else [])
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", shape)
     work = Path(tempfile.mkdtemp(prefix="async-rl-"))
     model = args.model
     address = None
@@ -139,11 +144,11 @@ def main() -> int:
         elif model is None:
             model = str(work / "tiny")
             subprocess.run([sys.executable, "-m", "anytime.cli", "tiny-model", model], check=True, capture_output=True)
-        runs = {"lockstep_both_cores": train(work / "both", model, args.steps,
-                                             ["rollout.placement=inprocess", f"trainer.num_threads={len(cores)}"],
-                                             None, {})}
+        both = [*shape, "rollout.placement=inprocess", f"trainer.num_threads={len(cores)}"]
+        runs = {"lockstep_both_cores": train(work / "both", model, args.steps, both, None, {})}
         address = start_ray(cores[-1:])
-        ray_run = ["rollout.placement=ray", "rollout.ray_cpus_per_worker=1", f"trainer.num_threads={len(cores) - 1}"]
+        ray_run = [*shape, "rollout.placement=ray", "rollout.ray_cpus_per_worker=1",
+                   f"trainer.num_threads={len(cores) - 1}"]
         env = {"RAY_ADDRESS": address}
         runs["lockstep_split"] = train(work / "split", model, args.steps, ray_run, cores[:-1], env)
         runs["locked_k1_split"] = train(work / "locked", model, args.steps, [*ray_run, "rollout.max_staleness=1"],

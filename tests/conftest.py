@@ -16,6 +16,41 @@ REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.tiers"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ray keeps every session's logs and sockets under its temporary folder by design: the suite's
+    Ray sessions (its fixture's and those `anytime train` starts) get a folder of the run's own,
+    removed when the run ends. xdist workers inherit it."""
+    if not hasattr(config, "workerinput") and "RAY_TMPDIR" not in os.environ:
+        import tempfile
+
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="anytime-tests-ray-")   # short: Ray's socket paths
+        config.stash[_RAY_TMPDIR] = os.environ["RAY_TMPDIR"]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Before the leftover check (tests/tiers.py runs last): the run's Ray folder goes."""
+    folder = session.config.stash.get(_RAY_TMPDIR, None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with end-to-end tests first, then integration, then unit, each file kept whole (its
+    module fixtures are built once): with pytest-xdist the longest tests start first and the short
+    ones fill the gaps at the end, instead of one worker finishing a long test alone."""
+    rank = {"e2e": 0, "integration": 1, "unit": 2}
+    heaviest: dict[str, int] = {}
+    for item in items:
+        tier = min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=2)
+        heaviest[item.fspath.strpath] = min(heaviest.get(item.fspath.strpath, 2), tier)
+    items.sort(key=lambda item: heaviest[item.fspath.strpath])
+
+
+_RAY_TMPDIR = pytest.StashKey[str]()
+
+
 FIXTURE_MATH_DATA = REPO / "tests" / "fixtures" / "math"
 
 
@@ -31,12 +66,19 @@ def math_data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny Qwen2 (head_dim 64) with a tokenizer trained on the synthetic task's text."""
-    from anytime.tasks import synthetic
-    from anytime.tasks.tiny import build_tiny_model
+def tiny_model_dir() -> str:
+    """A tiny Qwen2 (head_dim 64) with a tokenizer trained on the synthetic task's text (built once,
+    kept in the test cache; tests must not write into it)."""
+    from tests.helpers import cached_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), synthetic.corpus(400), seed=0))
+    def build(out: Path) -> None:
+        from anytime.tasks import synthetic
+        from anytime.tasks.tiny import build_tiny_model
+
+        build_tiny_model(out, synthetic.corpus(400), seed=0)
+
+    return str(cached_model("tiny", {"corpus": 400, "seed": 0}, build,
+                            sources=("anytime/tasks/tiny.py", "anytime/tasks/synthetic.py")))
 
 
 @pytest.fixture(scope="session")

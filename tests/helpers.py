@@ -73,3 +73,18 @@ def cached_model(name: str, recipe: object, build: Callable[[Path], None], sourc
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return final
+
+
+def kill_and_clean(pid: int) -> None:
+    """SIGKILL a process as the OOM killer would, then remove the multiprocessing folders (`pymp-*`)
+    that it and its children held: a killed process cannot (for the processes it watches, the
+    watchdog does the same)."""
+    import psutil
+
+    from anytime.core.watchdog import multiprocessing_folders
+
+    proc = psutil.Process(pid)
+    folders = multiprocessing_folders([proc, *proc.children(recursive=True)])
+    proc.kill()
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -37,7 +37,7 @@ BENCHMARK_SHORT = {
                     "--warmup", "0", "--split-reps", "2", "--ranks", "2", "--no-deepspeed"],
     "schedules.py": ["--quick"],
     "lora.py": ["--rows", "1", "--tokens", "16", "--reps", "1"],
-    "async_rl.py": ["--steps", "2", "--skip", "1", "--warm-steps", "2"],
+    "async_rl.py": ["--steps", "2", "--skip", "1", "--warm-steps", "2", "--prompts", "2"],
 }
 
 

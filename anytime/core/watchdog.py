@@ -5,7 +5,8 @@ pipes open. It exits by itself once everything it watches has ended.
 
 `watch(pids)` starts one as a detached process (`python -m anytime.core.watchdog OWNER PID... [--remove GLOB]`);
 the globs name files the owner deletes itself when it lives (e.g. weights handed to an engine), which
-the watchdog deletes when it does not.
+the watchdog deletes when it does not, as it does the multiprocessing folders (`pymp-*`) of the owner
+and of what it kills.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +76,22 @@ def _shared_memory(procs: list) -> set[str]:
     return files
 
 
+def multiprocessing_folders(procs: list) -> set[str]:
+    """The folders of Python's multiprocessing (`pymp-*`, its sockets: a forkserver's, a listener's)
+    the processes hold; a process that exits cleanly removes its own, a killed one never does."""
+    import psutil
+
+    folders = set()
+    for proc in procs:
+        try:
+            sockets = [c.laddr for c in proc.net_connections(kind="unix")]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        folders.update(os.path.dirname(s) for s in sockets
+                       if isinstance(s, str) and os.path.basename(os.path.dirname(s)).startswith("pymp-"))
+    return folders
+
+
 def _mapped_anywhere(path: str) -> bool:
     import psutil
 
@@ -88,7 +106,7 @@ def _mapped_anywhere(path: str) -> bool:
 
 def _kill_trees(targets: dict[int, float]) -> None:
     """SIGKILL the targets and their descendants, then remove the shared memory they left mapped
-    (killed processes never unlink it, and /dev/shm is RAM)."""
+    (killed processes never unlink it, and /dev/shm is RAM) and their multiprocessing folders."""
     import psutil
 
     victims = []
@@ -97,7 +115,7 @@ def _kill_trees(targets: dict[int, float]) -> None:
             continue
         proc = psutil.Process(pid)
         victims += [proc, *proc.children(recursive=True)]
-    shared = _shared_memory(victims)
+    shared, folders = _shared_memory(victims), multiprocessing_folders(victims)
     for proc in victims:
         try:
             proc.kill()
@@ -110,6 +128,8 @@ def _kill_trees(targets: dict[int, float]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _remove(patterns: list[str]) -> None:
@@ -142,11 +162,19 @@ def main(argv: list[str]) -> int:
         _remove(args.remove)
         _kill_trees(targets)
         return 0
+    held: set[str] = set()   # the owner's multiprocessing folders (its forkserver's socket), seen so far
     while any(_same(pid, born) for pid, born in targets.items()):
         if not _same(owner, owner_born):
             _remove(args.remove)  # the owner can write no more of them
             _kill_trees(targets)
+            for folder in held:
+                shutil.rmtree(folder, ignore_errors=True)
             return 0
+        try:
+            owner_proc = psutil.Process(owner)
+            held |= multiprocessing_folders([owner_proc, *owner_proc.children()])
+        except psutil.NoSuchProcess:
+            pass
         time.sleep(POLL_SECONDS)
     return 0
 

@@ -485,5 +485,12 @@ class VLLMEngine(RolloutEngine):
             logger.warning("vLLM shutdown raised %s: %s", type(e).__name__, e)
         del llm
         gc.collect()
+        if not self.own_process:
+            # the engine's process group lives in this process (and its rendezvous file in /tmp): end it
+            # as vLLM's own cleanup does, so a later engine here starts a fresh one
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)

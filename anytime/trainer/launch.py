@@ -163,8 +163,9 @@ class Nodes:
     rdzv_endpoint: str | None = None     # HOST:PORT every node reaches (the same on all of them)
 
 
-def torchrun_command(recipe_path: str, overrides: list[str], processes: int, nodes: Nodes) -> list[str]:
-    """torchrun (torch.distributed elastic) for `processes` learner processes over `nodes`."""
+def torchrun_command(recipe_path: str, overrides: list[str], processes: int, nodes: Nodes, log_dir: Path) -> list[str]:
+    """torchrun (torch.distributed elastic) for `processes` learner processes over `nodes`, its logs in
+    `log_dir` (torchrun's default is a new /tmp/torchelastic_* folder per run, never removed)."""
     if nodes.nnodes == 1:
         where = ["--standalone", f"--nproc_per_node={processes}"]
     else:
@@ -178,8 +179,8 @@ def torchrun_command(recipe_path: str, overrides: list[str], processes: int, nod
         where = [f"--nnodes={nodes.nnodes}", f"--node_rank={nodes.node_rank}", "--rdzv_backend=c10d",
                  f"--rdzv_endpoint={nodes.rdzv_endpoint}", "--rdzv_id=anytime",
                  f"--nproc_per_node={processes // nodes.nnodes}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, "-m", "anytime.trainer.launch", recipe_path,
-            *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--log-dir={log_dir}", "-m",
+            "anytime.trainer.launch", recipe_path, *overrides]
 
 
 def supervise(cmd: list[str]) -> int:
@@ -206,7 +207,7 @@ def launch_train(recipe_path: str, overrides: list[str], nodes: Nodes = Nodes())
     preflight(recipe)
     n = recipe.learner.processes  # data parallel, or pipeline stages × data-parallel replicas
     if (n > 1 or nodes.nnodes > 1) and "RANK" not in os.environ:
-        cmd = torchrun_command(recipe_path, overrides, n, nodes)
+        cmd = torchrun_command(recipe_path, overrides, n, nodes, Path(recipe.trainer.output_dir) / "torchrun")
         log.info("launching %d learner processes: %s", n, " ".join(cmd))
         return supervise(cmd)
     return _run_here(recipe)

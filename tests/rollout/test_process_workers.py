@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from anytime.config import load_recipe
-from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, tiny_overrides
 
 SMALL = ["rollout.n=2", "summary.n=1", "budget.budgets=[8,16]", "budget.max_thinking=16"]
 
@@ -76,7 +76,7 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
         rollouts.submit(prompts, ["2", "3"], 1)   # queued behind the first in each worker
         # every process they started (the verifiers' pools), which must end with them
         pids += [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
-        os.kill(pids[1], signal.SIGKILL)
+        kill_and_clean(pids[1])
         died = rf"rollout worker 1 \(local process, pid {pids[1]}\) failed during the rollout of step 0: the process"
         with pytest.raises(RolloutWorkerError, match=died + r" died \(exit code -9\)"):
             rollouts.collect(first)
@@ -121,7 +121,7 @@ def test_worker_processes_end_with_a_learner_killed_mid_run(tmp_path):
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "multiprocessing.spawn" in " ".join(p.cmdline())]
         assert len(workers) >= 2
-        proc.kill()
+        kill_and_clean(proc.pid)
         proc.wait(timeout=60)
         deadline = time.time() + 30
         while time.time() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers):

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, tiny_overrides
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -69,23 +69,29 @@ def test_colocated_workers_sample_what_one_worker_samples(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.distributed
 @pytest.mark.vllm
+@pytest.mark.deepspeed
 @needs_vllm
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 def test_colocated_vllm_workers_sample_what_one_worker_samples(tmp_path):
-    vllm = ["rollout.engine=vllm", "learner.num_processes=2"]
+    """vLLM engines next to each of two DeepSpeed ranks sample what one engine next to rank 0 samples
+    (that one in a process of its own: tests/trainer/test_vllm_learners.py checks its weights too)."""
+    vllm = ["rollout.engine=vllm", "learner.num_processes=2", "learner.backend=deepspeed", "learner.zero_stage=2"]
     one = train(tmp_path / "one" / "run", *vllm, "rollout.placement=inprocess")
     two = train(tmp_path / "two" / "run", *vllm, "rollout.placement=colocated")
+    assert_weights_reached_the_workers(one)
     assert_same_run(one, two)
     assert_weights_reached_the_workers(two)
+    assert (tmp_path / "one" / "run" / "checkpoints" / "step_2" / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.e2e
 @pytest.mark.ray
 @needs_ray
 def test_ray_workers_sample_what_one_worker_samples(tmp_path, ray_address):
-    env = {"RAY_ADDRESS": ray_address}
-    one = train(tmp_path / "one" / "run", "rollout.placement=ray", "rollout.workers=1", env=env)
-    two = train(tmp_path / "two" / "run", "rollout.placement=ray", "rollout.workers=2", env=env)
-    assert_same_run(one, two)
+    # two Ray actors against one in-process worker (one actor is the same worker in a process of its own:
+    # tests/trainer/test_inflight_training.py and the async benchmark run it)
+    two = train(tmp_path / "two" / "run", "rollout.placement=ray", "rollout.workers=2",
+                env={"RAY_ADDRESS": ray_address})
     assert_weights_reached_the_workers(two)
     local = train(tmp_path / "local" / "run")  # one in-process worker, no Ray
     assert_same_run(local, two)
@@ -121,7 +127,7 @@ def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address)
     pids = list(rollouts.pids)
     try:
         assert all(psutil.pid_exists(p) for p in pids)
-        os.kill(pids[1], signal.SIGKILL)
+        kill_and_clean(pids[1])
         prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                    for k in range(2)]
         with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(Ray actor, pid {pids[1]}\) failed during "
@@ -239,7 +245,7 @@ def test_nothing_survives_a_learner_killed_mid_run(tmp_path):
                     if "anytime.trainer.launch" in " ".join(p.cmdline()) and "torch.distributed.run" not in
                     " ".join(p.cmdline())]
         assert engines and len(learners) == 2
-        learners[1].kill()
+        kill_and_clean(learners[1].pid)
         output, _ = proc.communicate(timeout=180)  # returns only when every pipe is closed
         assert proc.returncode != 0
         time.sleep(2)

@@ -30,17 +30,25 @@ def train(out: Path, ray_address: str | None, *extra: str) -> dict[int, dict]:
     return metrics | {"timed_swaps": len(timings)}
 
 
+STILL = "learner.lr=1e-30"   # an update below float32 resolution: every version holds the same weights
+
+
+@pytest.fixture(scope="module")
+def still_lock_step(tmp_path_factory) -> dict[int, dict]:
+    """The lock-step run both placements are held against (one run for the module)."""
+    lock_step = train(tmp_path_factory.mktemp("lock") / "run", None, STILL, "rollout.placement=inprocess")
+    lock_step.pop("timed_swaps")
+    return lock_step
+
+
 @pytest.mark.parametrize("placement", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
-def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, request):
+def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, request, still_lock_step):
     from tests.rollout.test_rollout_workers import assert_same_run
 
     address = request.getfixturevalue("ray_address") if placement == "ray" else None
-    still = "learner.lr=1e-30"   # an update below float32 resolution: every version holds the same weights
-    lock_step = train(tmp_path / "lock" / "run", None, still, "rollout.placement=inprocess")
-    inflight = train(tmp_path / "inflight" / "run", address, still, *INFLIGHT, f"rollout.placement={placement}")
+    inflight = train(tmp_path / "inflight" / "run", address, STILL, *INFLIGHT, f"rollout.placement={placement}")
     assert inflight.pop("timed_swaps") == 5
-    lock_step.pop("timed_swaps")
-    assert_same_run(lock_step, inflight)
+    assert_same_run(still_lock_step, inflight)
     # the versions did arrive: step 5's batch (0-based 4) cannot start before version 2 is in hand (how
     # many of the four versions the worker took depends on timing: a newer offer replaces one not taken)
     assert sum(m["rollout/weight_swaps"] for m in inflight.values()) >= 1
@@ -50,33 +58,29 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 
-def test_inflight_tokens_are_never_older_than_k_steps(tmp_path):
-    metrics = train(tmp_path / "run", None, "learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT,
-                    "rollout.placement=processes")
-    metrics.pop("timed_swaps")
-    for step, m in metrics.items():
-        assert m["rollout/token_version_lag_max"] <= 2, step
-        assert m["offpolicy/is_weight_max"] > 0 and 0 < m["offpolicy/is_ess"] <= 1
-    # step 1: nothing but the start weights existed, so engine and learner agree but for the numerics
-    assert metrics[1]["rollout/token_version_lag_max"] == 0
-    assert metrics[1]["offpolicy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
-    # later steps train on tokens of earlier versions (lr 1e-2 moves the tiny model far): the gap shows
-    assert max(m["train/logprob_mismatch"] for m in metrics.values()) > 1e-3
-
-
-def test_inflight_checkpoints_lose_no_batch_in_flight(tmp_path):
-    """In flight, a checkpoint holds the batches still in flight, as in locked mode: a run resumed
-    from step 2 of k = 2 trains the very batches (tokens, versions, behaviour log-probs) of steps 3
-    and 4 that the unbroken run trained, so those steps equal it."""
+def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_batch(tmp_path):
+    """No token is older than k = 2 steps, and the off-policy correction sees the gap. In flight, a
+    checkpoint holds the batches still in flight, as in locked mode: a run resumed from step 2 trains
+    the very batches (tokens, versions, behaviour log-probs) of steps 3 and 4 that the unbroken run
+    trained, so those steps equal it."""
     import json
     import shutil
 
     from anytime.learner.checkpoint import load_in_flight
 
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
-    extra = ["learner.lr=1e-2", *INFLIGHT, "rollout.placement=processes", "trainer.keep_last=5"]
+    extra = ["learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT, "rollout.placement=processes",
+             "trainer.keep_last=5"]
     unbroken = train(full, None, *extra)
     unbroken.pop("timed_swaps")
+    for step, m in unbroken.items():
+        assert m["rollout/token_version_lag_max"] <= 2, step
+        assert m["offpolicy/is_weight_max"] > 0 and 0 < m["offpolicy/is_ess"] <= 1
+    # step 1: nothing but the start weights existed, so engine and learner agree but for the numerics
+    assert unbroken[1]["rollout/token_version_lag_max"] == 0
+    assert unbroken[1]["offpolicy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    # later steps train on tokens of earlier versions (lr 1e-2 moves the tiny model far): the gap shows
+    assert max(m["train/logprob_mismatch"] for m in unbroken.values()) > 1e-3
     step_2 = full / "checkpoints" / "step_2"
     assert [s["step"] for s in load_in_flight(step_2, 0)] == [2, 3]
     shutil.copytree(step_2, part / "checkpoints" / "step_2")

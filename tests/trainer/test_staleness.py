@@ -8,7 +8,6 @@ and leaves no process behind."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 
 from anytime.config import RecipeError, load_recipe
 from anytime.trainer.launch import launch_train
-from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, tiny_overrides
 
 LOCKED = ["rollout.max_staleness=1"]
 
@@ -150,7 +149,7 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
     try:
         first = rollouts.submit(prompts, ["2", "3"], 0)
         rollouts.submit(prompts, ["2", "3"], 1)   # queued behind the first on each actor
-        os.kill(pids[1], signal.SIGKILL)          # while step 0's rollout runs
+        kill_and_clean(pids[1])          # while step 0's rollout runs
         with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(Ray actor, pid {pids[1]}\) failed during "
                                                      "the rollout of step 0"):
             rollouts.collect(first)
@@ -215,11 +214,11 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
                 rollouts.sync_weights(learner)
                 handles.append(rollouts.submit(prompts, golds, step))
             if kill_after_submit:
-                os.kill(first_pids[1], signal.SIGKILL)
+                kill_and_clean(first_pids[1])
             batches = [rollouts.collect(h)[0].to_tensors() for h in handles]
             if kill_after_submit:
                 assert rollouts.pids[1] != first_pids[1] and not psutil.pid_exists(first_pids[1])
-                os.kill(rollouts.pids[1], signal.SIGKILL)   # the restart budget is spent
+                kill_and_clean(rollouts.pids[1])   # the restart budget is spent
                 with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 .* failed during the rollout of step 3"
                                                              r".*restarted 1 time\(s\) already"):
                     rollouts.collect(rollouts.submit(prompts, golds, 3))
@@ -245,7 +244,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
     try:
         learner.step()
         learner.step()
-        os.kill(rollouts.pids[1], signal.SIGKILL)
+        kill_and_clean(rollouts.pids[1])
         rollouts.sync_weights(learner)   # the weights of step 2: unbroken[2] was sampled with them
         pids.append(rollouts.pids[1])
         batch = rollouts.collect(rollouts.submit(prompts, golds, 2))[0].to_tensors()

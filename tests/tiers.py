@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,10 @@ SETTLE_SECONDS = 15.0
 # process are appended to FILE as JSON lines (how the tiers were first assigned).
 AUDIT = "ANYTIME_TIER_AUDIT"
 RUN_MARK = "ANYTIME_TEST_RUN"
+# Audit events of a process being started from Python (multiprocessing's spawn and forkserver start
+# theirs without one, but those children stay alive and are seen as such).
+PROCESS_STARTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system",
+                  "os.exec"}
 
 
 def tier_problems(items: list[pytest.Item]) -> list[str]:
@@ -51,6 +56,13 @@ def pytest_configure(config: pytest.Config) -> None:
                        ("e2e", "whole runs through the CLI, real models")):
         config.addinivalue_line("markers", f"{tier}: tier: {what}")
     config.stash[_SLOW_UNITS] = []
+    starts = config.stash[_STARTS] = [0]
+
+    def count_process_starts(event: str, args: tuple) -> None:
+        if event in PROCESS_STARTS:
+            starts[0] += 1
+
+    sys.addaudithook(count_process_starts)   # hooks stay for the process's life: only a counter
     if not _is_xdist_worker(config):
         # Every process the run starts inherits this mark, also those that outlive their parent.
         os.environ.setdefault(RUN_MARK, f"{os.getpid()}-{time.time_ns()}")
@@ -72,7 +84,7 @@ def _watched(item: pytest.Item) -> bool:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     if _watched(item):   # fixtures count: a unit test's pool is a child too
-        item.stash[_CHILDREN] = (_children_cpu(), _live_children())
+        item.stash[_CHILDREN] = (item.config.stash[_STARTS][0], _live_children())
     return (yield)
 
 
@@ -91,9 +103,9 @@ def pytest_runtest_call(item: pytest.Item):
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield
     if _CHILDREN in item.stash:
-        cpu_before, live_before = item.stash[_CHILDREN]
+        starts_before, live_before = item.stash[_CHILDREN]
         started = _live_children() - live_before
-        children = bool(started or _children_cpu() > cpu_before)
+        children = bool(started or item.config.stash[_STARTS][0] > starts_before)
         if os.environ.get(AUDIT):   # the suite's own survey: what each test costs and starts
             with open(os.environ[AUDIT], "a") as f:
                 f.write(json.dumps({"test": item.nodeid, "seconds": item.stash.get(_TOOK, 0.0),
@@ -185,12 +197,6 @@ def _live_children() -> set[str]:
     return found
 
 
-def _children_cpu() -> float:
-    """CPU seconds of this process's children that have ended and been waited for."""
-    times = os.times()
-    return times.children_user + times.children_system
-
-
 def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -198,4 +204,5 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 _BEFORE = pytest.StashKey[set]()
 _SLOW_UNITS = pytest.StashKey[list]()
 _CHILDREN = pytest.StashKey[tuple]()
+_STARTS = pytest.StashKey[list]()
 _TOOK = pytest.StashKey[float]()

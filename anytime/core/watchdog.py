@@ -77,14 +77,16 @@ def _shared_memory(procs: list) -> set[str]:
 
 
 def multiprocessing_folders(procs: list) -> set[str]:
-    """The folders of Python's multiprocessing (`pymp-*`, its sockets: a forkserver's, a listener's)
-    the processes hold; a process that exits cleanly removes its own, a killed one never does."""
+    """The folders of Python's multiprocessing (`pymp-*`) that the processes own: a process's folder
+    holds the socket of its forkserver, a child of it. A process that exits cleanly removes its own;
+    a killed one never does."""
     import psutil
 
     folders = set()
     for proc in procs:
         try:
-            sockets = [c.laddr for c in proc.net_connections(kind="unix")]
+            helpers = [c for c in proc.children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+            sockets = [c.laddr for helper in helpers for c in helper.net_connections(kind="unix")]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         folders.update(os.path.dirname(s) for s in sockets
@@ -167,12 +169,12 @@ def main(argv: list[str]) -> int:
         if not _same(owner, owner_born):
             _remove(args.remove)  # the owner can write no more of them
             _kill_trees(targets)
+            _remove(args.remove)  # and nor can what it started, now ended
             for folder in held:
                 shutil.rmtree(folder, ignore_errors=True)
             return 0
         try:
-            owner_proc = psutil.Process(owner)
-            held |= multiprocessing_folders([owner_proc, *owner_proc.children()])
+            held |= multiprocessing_folders([psutil.Process(owner)])
         except psutil.NoSuchProcess:
             pass
         time.sleep(POLL_SECONDS)

@@ -535,7 +535,7 @@ def test_vllm_sleep_is_a_logged_noop_on_cpu(vllm_engine, caplog):
     assert len(out[0][0].token_ids) == 3
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_rejects_unservable_head_dim(tmp_path):
     pytest.importorskip("vllm")

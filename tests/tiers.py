@@ -36,7 +36,7 @@ RUN_MARK = "ANYTIME_TEST_RUN"
 # Left in the temporary folder by processes the suite kills on purpose, and listed rather than failed
 # until they are mended: multiprocessing folders of a killed process that no watchdog owned, a vLLM
 # engine's rendezvous file and socket folder whose process died without closing it. Measured on the
-# full suite (2026-12-04): three pymp-* folders, one vllm_dist_* file, one anytime-vllm-* folder.
+# full suite (2026-12-04, two runs): 2-3 pymp-* folders, 1-3 vllm_dist_* files, 0-1 anytime-vllm-* folder.
 KNOWN_LEAKS = ("pymp-", "vllm_dist_", "anytime-vllm-")
 # Audit events of a process being started from Python (multiprocessing's spawn and forkserver start
 # theirs without one, but those children stay alive and are seen as such).

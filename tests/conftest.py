@@ -69,16 +69,9 @@ def math_data_dir() -> Path:
 def tiny_model_dir() -> str:
     """A tiny Qwen2 (head_dim 64) with a tokenizer trained on the synthetic task's text (built once,
     kept in the test cache; tests must not write into it)."""
-    from tests.helpers import cached_model
+    from tests.helpers import cached_tiny_model
 
-    def build(out: Path) -> None:
-        from anytime.tasks import synthetic
-        from anytime.tasks.tiny import build_tiny_model
-
-        build_tiny_model(out, synthetic.corpus(400), seed=0)
-
-    return str(cached_model("tiny", {"corpus": 400, "seed": 0}, build,
-                            sources=("anytime/tasks/tiny.py", "anytime/tasks/synthetic.py")))
+    return str(cached_tiny_model("tiny", corpus_size=400, seed=0))
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPO
                           THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
+from anytime.core.recipe_checks import check_lora, check_rollout, require as _require
 from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
@@ -300,11 +301,6 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return recipe
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise RecipeError(message)
-
-
 def _check_grid(key: str, grid: list[int], max_thinking: int) -> None:
     try:
         validate_grid(grid, max_thinking, name=f"`{key}`", limit_name="`budget.max_thinking`")
@@ -330,29 +326,7 @@ def validate(r: Recipe) -> None:
         _require(abs(sum(b.probs) - 1.0) <= 1e-6, f"`budget.probs` must sum to 1, got {sum(b.probs):.6g}")
     else:
         _require(b.probs is None, f"`budget.probs` is only used with `budget.prior: explicit` (prior is {b.prior!r})")
-    apart = r.rollout.placement in ("ray", "processes")   # workers in processes of their own
-    _require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
-             "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
-    k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
-        r.rollout.placement == "auto" and r.learner.num_processes > 1)
-    _require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
-    _require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
-             f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")
-    _require(k == 0 or not (shared or r.rollout.enable_sleep),
-             "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
-             "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` or processes "
-             "(or inprocess, which keeps the same samples without the overlap)")
-    for ok, need in ((k >= 1, "`rollout.max_staleness` >= 1 (the versions a batch may span)"),
-                     (apart, "workers in their own processes: `rollout.placement: ray` or `processes`"),
-                     (r.rollout.engine == "hf", "`rollout.engine: hf` (vLLM's generate call hides its decoding steps)"),
-                     (r.rollout.weight_sync != "nccl", "`rollout.weight_sync: object_store` (NCCL is a collective the "
-                                                       "generating workers cannot join)"),
-                     (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
-                                                      "weights a rollout started from, which inflight does not keep)")):
-        _require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
-    _require(not apart or r.rollout.workers <= r.rollout.prompts_per_step,
-             f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
-             f"({r.rollout.prompts_per_step}): every worker needs a prompt")
+    check_rollout(r)
     for key in ("rollout.n", "rollout.prompts_per_step", "rollout.workers", "summary.n", "summary.max_tokens",
                 "data.max_prompt_len", "trainer.steps", "learner.ppo_epochs", "learner.mini_batch_prompts",
                 "learner.micro_batch_tokens", "learner.logprob_chunk_tokens", "learner.num_processes",
@@ -390,28 +364,11 @@ def validate(r: Recipe) -> None:
     if r.eval.budgets is not None:
         _check_grid("eval.budgets", r.eval.budgets, b.max_thinking)
     _validate_pipeline(r)
-    _validate_lora(r)
+    check_lora(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     filler = r.data.synthetic_filler
     _require(0 <= filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {filler}")
-
-
-def _validate_lora(r: Recipe) -> None:
-    lo = r.learner.lora
-    _require(lo.rank >= 0, f"`learner.lora.rank` must be >= 0 (0 = full fine-tuning), got {lo.rank}")
-    if lo.rank == 0:
-        return
-    _require(lo.alpha > 0, f"`learner.lora.alpha` must be > 0, got {lo.alpha}")
-    _require(0 <= lo.dropout < 1, f"`learner.lora.dropout` must be in [0, 1), got {lo.dropout}")
-    _require(len(lo.target_modules) > 0, "`learner.lora.target_modules` must name at least one linear layer, "
-             "e.g. [q_proj, v_proj]")
-    _require(r.learner.pipeline.stages == 1,
-             "`learner.lora.rank` > 0 is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
-             "set learner.lora.rank=0 or learner.pipeline.stages=1")
-    _require(r.learner.backend != "deepspeed" or r.learner.zero_stage < 3,
-             "`learner.lora.rank` > 0 with DeepSpeed supports ZeRO stages 0-2 (the adapter is small; ZeRO-3 would "
-             "partition the frozen base too): set learner.zero_stage=2")
 
 
 def _validate_pipeline(r: Recipe) -> None:

@@ -1,0 +1,59 @@
+"""Cross-field checks of the recipe's rollout and LoRA sections, each naming the key to change
+(`anytime.config.validate` runs them; they live here to keep the schema module readable). They read
+the recipe by attribute, so this module imports nothing from `anytime.config`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anytime.errors import RecipeError
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RecipeError(message)
+
+
+def check_rollout(r: Any) -> None:
+    """`rollout`: where workers run, staleness and in-flight updates (r: an `anytime.config.Recipe`)."""
+    apart = r.rollout.placement in ("ray", "processes")   # workers in processes of their own
+    require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
+            "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
+    k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
+        r.rollout.placement == "auto" and r.learner.num_processes > 1)
+    require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
+    require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
+            f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")
+    require(k == 0 or not (shared or r.rollout.enable_sleep),
+            "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
+            "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` or processes "
+            "(or inprocess, which keeps the same samples without the overlap)")
+    for ok, need in ((k >= 1, "`rollout.max_staleness` >= 1 (the versions a batch may span)"),
+                     (apart, "workers in their own processes: `rollout.placement: ray` or `processes`"),
+                     (r.rollout.engine == "hf", "`rollout.engine: hf` (vLLM's generate call hides its decoding steps)"),
+                     (r.rollout.weight_sync != "nccl", "`rollout.weight_sync: object_store` (NCCL is a collective the "
+                                                       "generating workers cannot join)"),
+                     (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
+                                                      "weights a rollout started from, which inflight does not keep)")):
+        require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
+    require(not apart or r.rollout.workers <= r.rollout.prompts_per_step,
+            f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
+            f"({r.rollout.prompts_per_step}): every worker needs a prompt")
+
+
+def check_lora(r: Any) -> None:
+    """`learner.lora`: the adapter's settings and the learners that train one."""
+    lo = r.learner.lora
+    require(lo.rank >= 0, f"`learner.lora.rank` must be >= 0 (0 = full fine-tuning), got {lo.rank}")
+    if lo.rank == 0:
+        return
+    require(lo.alpha > 0, f"`learner.lora.alpha` must be > 0, got {lo.alpha}")
+    require(0 <= lo.dropout < 1, f"`learner.lora.dropout` must be in [0, 1), got {lo.dropout}")
+    require(len(lo.target_modules) > 0, "`learner.lora.target_modules` must name at least one linear layer, "
+            "e.g. [q_proj, v_proj]")
+    require(r.learner.pipeline.stages == 1,
+            "`learner.lora.rank` > 0 is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
+            "set learner.lora.rank=0 or learner.pipeline.stages=1")
+    require(r.learner.backend != "deepspeed" or r.learner.zero_stage < 3,
+            "`learner.lora.rank` > 0 with DeepSpeed supports ZeRO stages 0-2 (the adapter is small; ZeRO-3 would "
+            "partition the frozen base too): set learner.zero_stage=2")

@@ -72,10 +72,13 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(2)]
     try:
-        first = rollouts.submit(prompts, ["2", "3"], 0)
-        rollouts.submit(prompts, ["2", "3"], 1)   # queued behind the first in each worker
         # every process they started (the verifiers' pools), which must end with them
         pids += [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+        # stopped first, so it is certain to die with step 0 in hand (the tiny model can finish a
+        # rollout between two lines of this test)
+        os.kill(pids[1], signal.SIGSTOP)
+        first = rollouts.submit(prompts, ["2", "3"], 0)
+        rollouts.submit(prompts, ["2", "3"], 1)   # queued behind the first in each worker
         kill_and_clean(pids[1])
         died = rf"rollout worker 1 \(local process, pid {pids[1]}\) failed during the rollout of step 0: the process"
         with pytest.raises(RolloutWorkerError, match=died + r" died \(exit code -9\)"):

@@ -95,6 +95,12 @@ class RolloutConfig:
                   "continuing under it (Ray actors, hf engine; faster, not reproducible bit for bit)")
     worker_restarts: int = opt(0, "Ray: times each rollout actor that dies is started again and its prompts "
                                   "regenerated (same samples); 0 = the step fails naming the worker")
+    dynamic_sampling: bool = opt(
+        False, "DAPO's dynamic sampling: drop groups whose rewards (every summary, all traces and budgets) are all "
+               "equal and refill their slots from more prompts (anytime.rollout.dynamic_sampling)")
+    dynamic_sampling_max_draws: int = opt(
+        3, "dynamic sampling: prompts drawn per slot at most (the data advances by this many per slot and step); a "
+           "slot with no mixed group after them trains nothing that step")
 
 
 @dataclass
@@ -330,7 +336,8 @@ def validate(r: Recipe) -> None:
     for key in ("rollout.n", "rollout.prompts_per_step", "rollout.workers", "summary.n", "summary.max_tokens",
                 "data.max_prompt_len", "trainer.steps", "learner.ppo_epochs", "learner.mini_batch_prompts",
                 "learner.micro_batch_tokens", "learner.logprob_chunk_tokens", "learner.num_processes",
-                "learner.pipeline.stages", "learner.pipeline.microbatches", "eval.samples"):
+                "learner.pipeline.stages", "learner.pipeline.microbatches", "eval.samples",
+                "rollout.dynamic_sampling_max_draws"):
         value = functools.reduce(getattr, key.split("."), r)
         _require(value > 0, f"`{key}` must be a positive integer, got {value}")
     _require(r.eval.max_sample_records >= 0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -61,6 +61,16 @@ class AnytimeRollout:
 
     def thinking_lengths(self) -> list[int]:
         return self.think_len.flatten().tolist()
+
+    def select_prompts(self, prompts: Sequence[int]) -> AnytimeRollout:
+        """The rollout of these prompts only (groups kept by dynamic sampling), in this order."""
+        keep = torch.as_tensor(list(prompts), dtype=torch.long)
+        per_prompt = len(self.texts) // max(len(self.golds), 1)   # G·S·A flat entries per prompt
+        tensors = {f.name: getattr(self, f.name)[keep] for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        flat = [i for b in keep.tolist() for i in range(b * per_prompt, (b + 1) * per_prompt)]
+        return replace(self, **tensors, golds=[self.golds[b] for b in keep.tolist()],
+                       answers=[self.answers[i] for i in flat], texts=[self.texts[i] for i in flat])
 
     def inserted_ids(self, b: int, g: int, j: int) -> list[int]:
         """The tokens forced between thinking[:cut] and the summary of budget j (never trained)."""

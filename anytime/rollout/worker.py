@@ -16,8 +16,10 @@ import torch
 from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
 from anytime.algo.budget import anytime_score
 from anytime.batch.anytime_rollout import AnytimeRollout
+from anytime.core.stats import add_sums
 from anytime.batch.packing import build_train_batch
 from anytime.batch.train_batch import TrainBatch
+from anytime.rollout.dynamic_sampling import draw_mixed_groups, dynamic_metrics
 from anytime.rollout.inflight import WeightMailbox, version_sums
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import engine_max_len, training_settings
@@ -65,6 +67,8 @@ def rollout_metrics(sums: dict[str, float], budgets: Sequence[int], probs: Seque
     for reason, count in reasons.items():
         metrics[f"verifier/{reason}"] = count / sum(reasons.values())
     metrics["train/rows"] = int(sums["rows"])
+    if "dynamic/drawn" in sums:
+        metrics.update(dynamic_metrics(sums))
     if "token_lag_n" in sums:   # in-flight weights: each token's own staleness
         metrics["rollout/token_version_lag"] = sums["token_lag_sum"] / max(sums["token_lag_n"], 1.0)
         metrics["rollout/token_version_lag_max"] = sums["max/token_lag"]
@@ -120,28 +124,55 @@ class RolloutWorker:
         waited = {} if self._idle_since is None else {"rollout_wait": start - self._idle_since}
         swaps, swap_s = self.engine.swaps, self.engine.swap_seconds
         self.wait_for_version(min_version)
-        rollout = self.runner.run(prompts, golds, seed=r.trainer.seed * 1_000_003 + step, prompt_index=index)
-        timings = dict(rollout.timings)
+        seed = r.trainer.seed * 1_000_003 + step
+        num_prompts = len(index) if num_prompts is None else num_prompts
+        if r.rollout.dynamic_sampling:   # each prompt is a slot's candidates, golds likewise
+            draws = draw_mixed_groups(lambda p, g, i: self.runner.run(p, g, seed=seed, prompt_index=i), prompts, golds,
+                                      index, num_prompts, r.rollout.dynamic_sampling_max_draws)
+            rollouts, kept, slots = draws.drawn, draws.kept, draws.kept_slots
+        else:
+            rollouts = [self.runner.run(prompts, golds, seed=seed, prompt_index=index)]
+            kept, slots = [list(range(len(index)))], [index]
+        timings: dict[str, float] = {}
+        adv_seconds, batches, sums = 0.0, [], {}
+        for rollout, keep, slot in zip(rollouts, kept, slots):
+            add_sums(timings, rollout.timings)
+            adv_start = time.perf_counter()
+            batch, part = self._train_rows(rollout, keep, slot, num_prompts)
+            batches.append(batch)
+            add_sums(sums, part)
+            if self.mailbox is not None:
+                add_sums(sums, version_sums(rollout, step))
+            adv_seconds += time.perf_counter() - adv_start
+        batch = batches[0] if len(batches) == 1 else TrainBatch.concat(batches)
+        timings["adv"] = adv_seconds
         if self.mailbox is not None:
             timings["weight_swap"] = self.engine.swap_seconds - swap_s
-        adv_start = time.perf_counter()
+            sums["weight_swaps"] = float(self.engine.swaps - swaps)
+        # `train/rows` counts trained sequences (a thinking trace or a summary), whatever the layout
+        sums["rows"] = float(batch.sequences.sum())
+        if r.rollout.dynamic_sampling:
+            sums.update(draws.counts())
+        sums["rollout_seconds"] = time.perf_counter() - start
+        self._idle_since = time.perf_counter()
+        return batch, sums, {**timings, **waited}
+
+    def _train_rows(self, rollout: AnytimeRollout, keep: list[int], slots: list[int], num_prompts: int
+                    ) -> tuple[TrainBatch, dict[str, float]]:
+        """The rows of the kept groups of `rollout` under their slots in the step, and the metric sums
+        of every group it drew. Advantages are computed per group, so on the whole draw."""
+        r = self.recipe
         scores = rollout.budget_scores.double()  # [B, G, S]
         t_adv = thinking_advantages(r.algorithm.estimator, scores, self.probs, decay=r.algorithm.decay,
                                     variant=r.algorithm.variance_reduction)
         s_adv = summary_advantages_by_name(r.summary.estimator, rollout.scores.double(), rollout.prefix_group)
-        batch = build_train_batch(rollout, t_adv, s_adv, thinking_weight=r.algorithm.thinking_loss_weight,
+        whole = keep == list(range(len(rollout.golds)))
+        chosen = rollout if whole else rollout.select_prompts(keep)
+        batch = build_train_batch(chosen, t_adv[keep], s_adv[keep], thinking_weight=r.algorithm.thinking_loss_weight,
                                   summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
                                   drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0,
                                   pad_id=self.pad_id, pack=r.learner.pack_summaries)
-        batch = batch.reindexed(index, len(index) if num_prompts is None else num_prompts)
-        timings["adv"] = time.perf_counter() - adv_start
-        # `train/rows` counts trained sequences (a thinking trace or a summary), whatever the layout
-        sums = rollout_sums(rollout, t_adv, s_adv, int(batch.sequences.sum()))
-        if self.mailbox is not None:
-            sums.update(version_sums(rollout, step), weight_swaps=float(self.engine.swaps - swaps))
-        sums["rollout_seconds"] = time.perf_counter() - start
-        self._idle_since = time.perf_counter()
-        return batch, sums, {**timings, **waited}
+        return batch.reindexed(slots, num_prompts), rollout_sums(rollout, t_adv, s_adv, 0)
 
     def apply(self, fn: Callable[[RolloutWorker], T]) -> T:
         """`fn(self)`: work on this worker's engine, verifier and tokenizer handed in by a caller above

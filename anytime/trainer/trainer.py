@@ -82,6 +82,14 @@ def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[in
     return [(step * prompts_per_step + i) % num_rows for i in range(prompts_per_step)]
 
 
+def step_candidate_rows(step: int, prompts_per_step: int, draws: int, num_rows: int) -> list[list[int]]:
+    """Dynamic sampling: each slot's candidate rows, in draw order. Step `step` takes the next
+    `prompts_per_step × draws` rows: the first `prompts_per_step` are the rows it would roll out
+    without dynamic sampling, each further block one more draw of every slot."""
+    first = step * prompts_per_step * draws
+    return [[(first + r * prompts_per_step + i) % num_rows for r in range(draws)] for i in range(prompts_per_step)]
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, model_path: str):
         from transformers import AutoTokenizer
@@ -108,9 +116,21 @@ class Trainer:
 
     # --- rollouts, up to `rollout.max_staleness` steps ahead -----------------------------------
     def _submit(self, step: int) -> None:
-        idx = step_row_indices(step, self.recipe.rollout.prompts_per_step, len(self.rows))
-        handle = self.rollouts.submit([self.prompts[i] for i in idx], [self.rows[i].answer for i in idx], step)
+        ro = self.recipe.rollout
+        if ro.dynamic_sampling:   # every slot travels with its candidates (anytime.rollout.dynamic_sampling)
+            slots = step_candidate_rows(step, ro.prompts_per_step, ro.dynamic_sampling_max_draws, len(self.rows))
+            prompts: list[Any] = [[self.prompts[i] for i in c] for c in slots]
+            golds: list[Any] = [[self.rows[i].answer for i in c] for c in slots]
+        else:
+            idx = step_row_indices(step, ro.prompts_per_step, len(self.rows))
+            prompts, golds = [self.prompts[i] for i in idx], [self.rows[i].answer for i in idx]
+        handle = self.rollouts.submit(prompts, golds, step)
         self._in_flight.append(InFlight(step, self._weights_version, handle))
+
+    @property
+    def rows_per_step(self) -> int:
+        ro = self.recipe.rollout
+        return ro.prompts_per_step * (ro.dynamic_sampling_max_draws if ro.dynamic_sampling else 1)
 
     def _collect(self, item: InFlight) -> tuple[TrainBatch, dict[str, Any], dict[str, float]]:
         if item.result is None:
@@ -204,7 +224,7 @@ class Trainer:
         with self.timer.stage("save"):
             return ckpt.save_checkpoint(
                 self.out / "checkpoints", step, self.learner, self.tokenizer,
-                {"data_position": step * self.recipe.rollout.prompts_per_step, **(extra or {})},
+                {"data_position": step * self.rows_per_step, **(extra or {})},
                 self.recipe.trainer.keep_last, generation_source=self.model_path, in_flight=self._settle_in_flight())
 
     def fit(self) -> dict[str, Any]:

@@ -130,6 +130,10 @@ class SummaryConfig:
     estimator: Annotated[str, Choice(SUMMARY_ESTIMATORS)] = opt(
         "brpo", "summary advantages: brpo (each cut's own baseline) or grpo (the last budget only)")
     loss_weight: float = opt(1.0, "weight of the summary tokens' loss")
+    eos_ends_thinking: bool = opt(
+        False, "instruct models without a thinking format: a trace that stops on EOS has ended its thinking, and "
+               "the budgets past it force the summary there (close + header after the trace) instead of scoring 0 "
+               "(the official rule for thinking models, kept by default)")
 
 
 @dataclass

@@ -57,6 +57,7 @@ class EvalOptions:
     limit: int | None = None
     dtype: str = "bfloat16"
     engine: str = "vllm"
+    eos_ends_thinking: bool = False       # instruct models: EOS closes the thinking (summary.eos_ends_thinking)
 
     @property
     def sampling_seed(self) -> int:
@@ -70,7 +71,8 @@ class EvalOptions:
         return AnytimeSettings(tuple(self.budgets), self.samples, self.summaries, self.summary_max_tokens,
                                close_text=self.close_text, header=self.header, think_end=self.think_end,
                                temperature=self.temperature, top_p=self.top_p,
-                               summary_temperature=summary_temperature, seed=seed)
+                               summary_temperature=summary_temperature, seed=seed,
+                               eos_ends_thinking=self.eos_ends_thinking)
 
 
 def recipe_options(recipe: Any) -> dict[str, Any]:
@@ -82,7 +84,7 @@ def recipe_options(recipe: Any) -> dict[str, Any]:
                 instruction=recipe.data.instruction, temperature=ev.temperature, top_p=ev.top_p,
                 seed=recipe.trainer.seed, sample_seed=ev.seed,
                 max_prompt_len=recipe.data.max_prompt_len, data_dir=ev.data_dir, limit=ev.limit,
-                dtype=recipe.model.dtype, engine=recipe.rollout.engine)
+                dtype=recipe.model.dtype, engine=recipe.rollout.engine, eos_ends_thinking=summary.eos_ends_thinking)
 
 
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +114,9 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     parser.add_argument("--dtype", default=None, help=f"default {d.dtype}")
     parser.add_argument("--engine", choices=["hf", "vllm"], default=None, help=f"default {d.engine}")
+    parser.add_argument("--eos-ends-thinking", action="store_true", default=None,
+                        help="instruct models without a thinking format: force the summary at a trace's EOS instead of "
+                             "scoring the budgets past it 0")
 
 
 def resolve_options(args: argparse.Namespace) -> EvalOptions:

@@ -121,7 +121,13 @@ class AnytimeRolloutRunner:
             ids = trace.token_ids
             natural[k] = bool(ids) and ids[-1] == self.think_end_id
             eos[k] = bool(ids) and ids[-1] in self.eos_ids
-            plans[k] = self.summary_plan(len(ids), natural[k], eos[k], budgets)
+            if eos[k] and s.eos_ends_thinking:
+                # an instruct model's EOS ends its thinking: a natural end, whose summaries are forced
+                # after the trace without its EOS (close + header) at every budget past it
+                natural[k], eos[k] = True, False
+                plans[k] = self.summary_plan(len(ids) - 1, False, False, budgets)
+            else:
+                plans[k] = self.summary_plan(len(ids), natural[k], eos[k], budgets)
             offset = len(prompts[k // G])
             return [Branch(offset + br.cut, br.suffix) for br in plans[k][0]]
 

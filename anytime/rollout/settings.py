@@ -30,6 +30,7 @@ class AnytimeSettings:
     top_p: float = 1.0
     summary_temperature: float = 1.0
     seed: int = 0
+    eos_ends_thinking: bool = False   # instruct models: EOS closes the thinking (see the runner)
 
 
 def training_settings(recipe: Recipe) -> AnytimeSettings:
@@ -38,7 +39,8 @@ def training_settings(recipe: Recipe) -> AnytimeSettings:
     return AnytimeSettings(tuple(r.budget.grid()), r.rollout.n, s.n, summary_max_tokens=s.max_tokens,
                            close_text=s.close_text, header=s.header, think_end=s.think_end,
                            temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-                           summary_temperature=s.temperature, seed=r.trainer.seed)
+                           summary_temperature=s.temperature, seed=r.trainer.seed,
+                           eos_ends_thinking=s.eos_ends_thinking)
 
 
 def text_tokens(tokenizer: Any, text: str) -> int:

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from anytime.data.prompts import render_prompt
 from anytime.reward.verifier import RewardScorer
-from anytime.rollout.engine import RolloutEngine, create_engine
+from anytime.rollout.engine import Completion, RolloutEngine, create_engine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import AnytimeSettings
 
@@ -117,3 +117,43 @@ def test_summary_text_is_scored_for_natural_and_forced_ends(setup):
     assert [v.score for v in scorer.score(texts, ["7", "7"])] == [1.0, 1.0]
     twice = runner.summary_text(True, branches[1], tok("</think>\\boxed{7}", add_special_tokens=False)["input_ids"])
     assert scorer.score([twice], ["7"])[0].reason == "bad_format"  # a second </think> breaks the format rule
+
+
+class ScriptedEngine(RecordingEngine):
+    """Every trace is `trace`, every summary `summary`: what an instruct model that stops on EOS writes."""
+
+    def __init__(self, engine, trace, summary):
+        super().__init__(engine)
+        self.trace, self.summary = trace, summary
+
+    def _generate(self, prompts, params):
+        return [[Completion(list(self.trace), [-0.5] * len(self.trace), "stop") for _ in range(params.n)]
+                for _ in prompts]
+
+    def _generate_branches(self, prefixes, branches, params):
+        self.branch_prompts = [[list(p[: b.cut]) + list(b.suffix) for b in bs] for p, bs in zip(prefixes, branches)]
+        return [[[Completion(list(self.summary), [-0.5] * len(self.summary), "stop") for _ in range(params.n)]
+                 for _ in bs] for bs in branches]
+
+
+@pytest.mark.parametrize("eos_ends_thinking", [False, True])
+def test_an_instruct_models_eos_ends_its_thinking_only_when_asked(setup, eos_ends_thinking):
+    """`summary.eos_ends_thinking`: a trace that stops on EOS gets its summary forced right before the
+    EOS at every budget past it, and is scored; by default (thinking models) those budgets score 0."""
+    tok, engine, scorer = setup
+    words = tok("1: 3+4=7", add_special_tokens=False)["input_ids"][:3]
+    trace = [*words, tok.eos_token_id]                    # stops on EOS after 3 tokens
+    summary = tok("7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    scripted = ScriptedEngine(engine, trace, summary)
+    settings = AnytimeSettings((2, 8, 16), 1, 1, 6, header="\n\n**Final Answer**\n\\boxed{",
+                               eos_ends_thinking=eos_ends_thinking)
+    runner = AnytimeRolloutRunner(scripted, tok, scorer, settings)
+    prompt = render_prompt(tok, "What is 3 + 4?")
+    out = runner.run([prompt], ["7"])
+    close, header = runner.close_ids, runner.header_ids
+    assert scripted.branch_prompts[0] == [prompt + words[:2] + close + header] + [prompt + words + close + header] * 2
+    assert out.prefix_group[0, 0].tolist() == [0, 1, 1]
+    assert bool(out.natural_end[0, 0]) == eos_ends_thinking and bool(out.eos_end[0, 0]) != eos_ends_thinking
+    assert out.scores[0, 0, 0, 0] == 1.0                  # budget 2: a real cut, scored either way
+    past_the_end = out.scores[0, 0, 1:, 0].tolist()
+    assert past_the_end == ([1.0, 1.0] if eos_ends_thinking else [0.0, 0.0])

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,13 +86,38 @@ def cached_model(name: str, recipe: object, build: Callable[[Path], None], sourc
 def kill_and_clean(pid: int) -> None:
     """SIGKILL a process as the OOM killer would, then remove the multiprocessing folders (`pymp-*`)
     that it and its children held: a killed process cannot (for the processes it watches, the
-    watchdog does the same)."""
+    watchdog does the same). Also those made during its life that no live process holds a socket in
+    any more: a process killed while it started a forkserver has bound the socket but not yet
+    handed it on, so no process showed it."""
     import psutil
 
     from anytime.core.watchdog import multiprocessing_folders
 
     proc = psutil.Process(pid)
+    born = proc.create_time()
     folders = multiprocessing_folders([proc, *proc.children(recursive=True)])
     proc.kill()
-    for folder in folders:
+    deadline = time.monotonic() + 10   # dead, but not reaped: its parent still reads its exit code
+    try:
+        while time.monotonic() < deadline and proc.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+    except psutil.NoSuchProcess:   # reaped already
+        pass
+    for folder in folders | _orphaned_multiprocessing_folders(since=born):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _orphaned_multiprocessing_folders(since: float) -> set[str]:
+    """`pymp-*` folders made after `since` that hold sockets no live process has open."""
+    import psutil
+
+    held = {os.path.dirname(c.laddr) for c in psutil.net_connections(kind="unix") if isinstance(c.laddr, str)}
+    orphans = set()
+    for folder in Path(tempfile.gettempdir()).glob("pymp-*"):
+        try:
+            sockets = [p for p in folder.iterdir() if p.is_socket()]
+            if sockets and folder.stat().st_mtime >= since and str(folder) not in held:
+                orphans.add(str(folder))
+        except OSError:   # removed meanwhile
+            continue
+    return orphans

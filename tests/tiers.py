@@ -29,8 +29,9 @@ UNIT_SECONDS = 2.0
 KEPT_TEMP_PREFIXES = ("pytest-of-", "torchinductor_", "hsperfdata_")
 # How long the end-of-run check waits for processes and files that are still being cleaned up.
 SETTLE_SECONDS = 15.0
-# ANYTIME_TIER_AUDIT=FILE: no tier check; every test's call time and whether it started a child
-# process are appended to FILE as JSON lines (how the tiers were first assigned).
+# ANYTIME_TIER_AUDIT=FILE: no tier check; every test's call time, whether it started a child process
+# and what it left behind are appended to FILE as JSON lines (how the tiers were first assigned and
+# the leaks attributed; run without xdist so each test's leftovers are its own).
 AUDIT = "ANYTIME_TIER_AUDIT"
 RUN_MARK = "ANYTIME_TEST_RUN"
 # Left in the temporary folder by processes the suite kills on purpose, and listed rather than failed
@@ -91,6 +92,8 @@ def _watched(item: pytest.Item) -> bool:
 def pytest_runtest_setup(item: pytest.Item):
     if _watched(item):   # fixtures count: a unit test's pool is a child too
         item.stash[_CHILDREN] = (item.config.stash[_STARTS][0], _live_children())
+    if os.environ.get(AUDIT):
+        item.stash[_LEFT] = leftovers()
     return (yield)
 
 
@@ -114,8 +117,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         children = bool(started or item.config.stash[_STARTS][0] > starts_before)
         if os.environ.get(AUDIT):   # the suite's own survey: what each test costs and starts
             with open(os.environ[AUDIT], "a") as f:
+                left = sorted(leftovers() - item.stash[_LEFT])   # run serially to attribute them
                 f.write(json.dumps({"test": item.nodeid, "seconds": item.stash.get(_TOOK, 0.0),
-                                    "children": children, "fixtures": item.fixturenames}) + "\n")
+                                    "children": children, "left": left, "fixtures": item.fixturenames}) + "\n")
         elif children:
             what = f"{len(started)} still running" if started else "one that ended"
             pytest.fail(f"{item.nodeid} is marked unit but started a child process ({what}): mark it "
@@ -216,3 +220,4 @@ _SLOW_UNITS = pytest.StashKey[list]()
 _CHILDREN = pytest.StashKey[tuple]()
 _STARTS = pytest.StashKey[list]()
 _TOOK = pytest.StashKey[float]()
+_LEFT = pytest.StashKey[set]()

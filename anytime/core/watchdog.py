@@ -3,10 +3,12 @@ a local Ray cluster): when their owner dies, however it dies (SIGKILL, the OOM k
 them and everything they started within a second, so nothing keeps running or holds the owner's
 pipes open. It exits by itself once everything it watches has ended.
 
-`watch(pids)` starts one as a detached process (`python -m anytime.core.watchdog OWNER PID... [--remove GLOB]`);
-the globs name files the owner deletes itself when it lives (e.g. weights handed to an engine), which
-the watchdog deletes when it does not, as it does the multiprocessing folders (`pymp-*`) of the owner
-and of what it kills.
+`watch(pids)` starts one as a detached process (`python -m anytime.core.watchdog OWNER PID... [--remove GLOB]
+[--remove-tree DIR]`); the globs and folders name what the owner deletes itself when it lives (weights
+handed to an engine, an engine's socket folder), which the watchdog deletes when it does not, as it
+does the multiprocessing folders (`pymp-*`) of the owner and of what it kills. While any of them is
+left it keeps watching the owner, even once the processes have ended (a killed engine leaves its
+sockets; its owner may die later).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from collections.abc import Iterable
 POLL_SECONDS = 0.5
 
 
-def watch(pids: Iterable[int], owner: int | None = None, owner_files: Iterable[str] = ()) -> subprocess.Popen | None:
+def watch(pids: Iterable[int], owner: int | None = None, owner_files: Iterable[str] = (),
+          owner_trees: Iterable[str] = ()) -> subprocess.Popen | None:
     """Kill `pids` and their descendants when `owner` (default: this process) dies, and delete the
-    files that match the `owner_files` globs."""
+    files that match the `owner_files` globs and the `owner_trees` folders."""
     pids = [int(p) for p in pids]
     if not pids:
         return None
     owner = os.getpid() if owner is None else owner
     removes = [arg for pattern in owner_files for arg in ("--remove", pattern)]
+    removes += [arg for folder in owner_trees for arg in ("--remove-tree", folder)]
     return subprocess.Popen([sys.executable, "-m", "anytime.core.watchdog", str(owner), *map(str, pids), *removes],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             close_fds=True, start_new_session=True)
@@ -77,21 +81,25 @@ def _shared_memory(procs: list) -> set[str]:
 
 
 def multiprocessing_folders(procs: list) -> set[str]:
-    """The folders of Python's multiprocessing (`pymp-*`) that the processes own: a process's folder
-    holds the socket of its forkserver, a child of it. A process that exits cleanly removes its own;
-    a killed one never does."""
+    """The folders of Python's multiprocessing (`pymp-*`) that the processes own: those where they or
+    their descendants hold a socket (a forkserver's, or the resource sharer's listener that passes file
+    descriptors, e.g. torch tensors through a queue), unless a process outside them holds one there
+    too (a forked child inherits its parent's listener; that folder is the parent's). A process that
+    exits cleanly removes its own; a killed one never does."""
     import psutil
 
-    folders = set()
+    family: set[int] = set()
     for proc in procs:
         try:
-            helpers = [c for c in proc.children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
-            sockets = [c.laddr for helper in helpers for c in helper.net_connections(kind="unix")]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            family |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+        except psutil.NoSuchProcess:
             continue
-        folders.update(os.path.dirname(s) for s in sockets
-                       if isinstance(s, str) and os.path.basename(os.path.dirname(s)).startswith("pymp-"))
-    return folders
+    mine, elsewhere = set(), set()
+    for conn in psutil.net_connections(kind="unix"):
+        folder = os.path.dirname(conn.laddr) if isinstance(conn.laddr, str) else ""
+        if os.path.basename(folder).startswith("pymp-"):
+            (mine if conn.pid in family else elsewhere).add(folder)
+    return mine - elsewhere
 
 
 def _mapped_anywhere(path: str) -> bool:
@@ -134,13 +142,21 @@ def _kill_trees(targets: dict[int, float]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _remove(patterns: list[str]) -> None:
-    """Delete the files the globs match, in order; a matched folder only once it is empty."""
+def _remove(patterns: list[str], trees: list[str] = ()) -> None:
+    """Delete the files the globs match, in order (a matched folder only once it is empty), then the
+    folders `trees` with everything in them."""
     for path in (p for pattern in patterns for p in glob.glob(pattern)):
         try:
             os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
         except OSError:
             pass
+    for folder in trees:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _left(patterns: list[str], trees: list[str]) -> bool:
+    """Whether any of the owner's files or folders is still there to delete."""
+    return any(glob.glob(pattern) for pattern in patterns) or any(os.path.exists(folder) for folder in trees)
 
 
 def main(argv: list[str]) -> int:
@@ -150,7 +166,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("owner", type=int)
     parser.add_argument("pids", type=int, nargs="+")
     parser.add_argument("--remove", action="append", default=[], help="glob of files to delete when the owner dies")
+    parser.add_argument("--remove-tree", action="append", default=[], help="folder to delete when the owner dies")
     args = parser.parse_args(argv)
+    trees = args.remove_tree
     owner, pids = args.owner, args.pids
     targets = {}
     for pid in pids:
@@ -163,13 +181,14 @@ def main(argv: list[str]) -> int:
     except psutil.NoSuchProcess:
         _remove(args.remove)
         _kill_trees(targets)
+        _remove(args.remove, trees)
         return 0
     held: set[str] = set()   # the owner's multiprocessing folders (its forkserver's socket), seen so far
-    while any(_same(pid, born) for pid, born in targets.items()):
+    while any(_same(pid, born) for pid, born in targets.items()) or _left(args.remove, trees):
         if not _same(owner, owner_born):
             _remove(args.remove)  # the owner can write no more of them
             _kill_trees(targets)
-            _remove(args.remove)  # and nor can what it started, now ended
+            _remove(args.remove, trees)  # and nor can what it started, now ended
             for folder in held:
                 shutil.rmtree(folder, ignore_errors=True)
             return 0

@@ -30,16 +30,8 @@ from typing import Any
 
 import torch
 
-from anytime.rollout.engine import (
-    AnytimeGeneration,
-    Branch,
-    Completion,
-    EngineError,
-    PlanFn,
-    RolloutEngine,
-    SamplingConfig,
-    check_lengths,
-)
+from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
+                                    SamplingConfig, check_lengths)
 from anytime.rollout.streaming import AnytimeStream, Request
 from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
 
@@ -115,20 +107,26 @@ def _inside_process_group() -> bool:
 @contextlib.contextmanager
 def _launcher_env_hidden(ipc_dir: str | None = None) -> Iterator[None]:
     """Hide torchrun's variables from a child process started inside the block, and point vLLM's
-    inter-process sockets at `ipc_dir` (they are left in /tmp otherwise)."""
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
-    rpc_path = os.environ.get(_RPC_PATH)
-    if ipc_dir is not None:
-        os.environ[_RPC_PATH] = ipc_dir
+    inter-process sockets and the child's temporary files (vLLM's rendezvous file, multiprocessing
+    folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them."""
+    pointed = {_RPC_PATH: ipc_dir, "TMPDIR": ipc_dir} if ipc_dir is not None else {}
+    saved = {k: os.environ.pop(k) for k in (*_LAUNCHER_ENV, *pointed) if k in os.environ}
+    os.environ.update(pointed)   # this process's own temporary folder is already fixed (tempfile caches it)
     try:
         yield
     finally:
+        for k in pointed:
+            os.environ.pop(k, None)
         os.environ.update(saved)
-        if ipc_dir is not None:
-            if rpc_path is None:
-                os.environ.pop(_RPC_PATH, None)
-            else:
-                os.environ[_RPC_PATH] = rpc_path
+
+
+def _rendezvous_file(llm: Any) -> str | None:
+    """The file store of an in-process engine's process group (`file://...` in /tmp), which vLLM's
+    own teardown leaves behind."""
+    with contextlib.suppress(Exception):
+        method = str(llm.collective_rpc(lambda worker: worker.distributed_init_method)[0])
+        return method.removeprefix("file://") if method.startswith("file://") else None
+    return None
 
 
 def _served_rank(rank: int) -> int:
@@ -264,8 +262,8 @@ class VLLMEngine(RolloutEngine):
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise EngineError(f"vLLM failed to start for {model_path}: {type(e).__name__}: {e}") from e
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
-            ipc = [os.path.join(self._ipc_dir, "*"), self._ipc_dir] if self._ipc_dir is not None else []
-            watch(children() - before, owner_files=[*weight_file_globs(os.getpid()), *ipc])
+            watch(children() - before, owner_files=weight_file_globs(os.getpid()),
+                  owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
         self.stream_summaries = stream_summaries
         self._request_ids = itertools.count()
         self._closed = False
@@ -479,6 +477,7 @@ class VLLMEngine(RolloutEngine):
         if self._lora_folder is not None:
             shutil.rmtree(self._lora_folder, ignore_errors=True)
         llm, self._llm = self._llm, None
+        rendezvous = None if self.own_process else _rendezvous_file(llm)
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # shutting down must not mask the caller's own error
@@ -492,5 +491,7 @@ class VLLMEngine(RolloutEngine):
 
             destroy_model_parallel()
             destroy_distributed_environment()
+        if rendezvous is not None and os.path.exists(rendezvous):
+            os.remove(rendezvous)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)

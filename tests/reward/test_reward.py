@@ -27,6 +27,7 @@ from anytime.reward.verifier import (
     normalize_gold,
     score_one,
 )
+from tests.helpers import kill_and_clean
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -362,7 +363,7 @@ def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
         assert len(pids) == 2
         time.sleep(0.2)  # let them start the heavy items
     finally:
-        owner.kill()
+        kill_and_clean(owner.pid)   # as the OOM killer would; its multiprocessing folder removed after it
         owner.wait()
         owner.stdout.close()
     # The kernel's per-item CPU cap (2 * ceil(0.5) + 1 = 3 CPU s) ends them; allow for a loaded CPU.

@@ -43,8 +43,12 @@ from anytime.evaluation.records import (
     sample_records,
     write_samples,
 )
+from anytime.evaluation.report import REPORT_KEYS
 
 __all__ = ["evaluate_rows", "pass_at_k", "rescore_dir", "write_results", "write_samples"]
+
+# the per-budget columns of results.csv, each a list over the budgets in results.json
+CSV_FIELDS = ("accuracy", *REPORT_KEYS)
 
 
 def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, budgets: Sequence[int],
@@ -53,8 +57,9 @@ def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, bud
                   on_batch: Callable[[int], None] | None = None,
                   limit_name: str = "data.max_prompt_len", records: list[Record] | None = None,
                   tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Per-budget accuracy, anytime/final accuracy, AUC, thinking length, pass@k and verifier failures
-    (`eval_records.aggregate`) of `rows` under `runner` (an `AnytimeRolloutRunner`).
+    """Per-budget accuracy and report (completed, completed_accuracy, cut, summary_length),
+    anytime/final accuracy, AUC, thinking length, pass@k and verifier failures (`records.aggregate`)
+    of `rows` under `runner` (an `AnytimeRolloutRunner`).
 
     When `records` is a list, the per-sample records are appended to it, each starting with `tags`
     (the CLI tags model and benchmark; the trainer may tag benchmark and step) — see `write_samples`.
@@ -215,7 +220,9 @@ def table_budgets(budgets: Sequence[int], at_most: int = 4) -> list[int]:
 
 
 def results_table(results: dict[str, Any]) -> str:
-    """The markdown table: anytime accuracy, AUC, accuracy at a few budgets, pass@1, length, failures."""
+    """The markdown tables: per model × benchmark, anytime accuracy, AUC, accuracy at a few budgets,
+    pass@1, length and failures; then, per model × benchmark × those budgets, the per-budget report
+    (`anytime.evaluation.report`)."""
     budgets = results["budgets"]
     shown = table_budgets(budgets)
     head = ["model", "benchmark", "anytime acc", "AUC", *(f"acc@{b}" for b in shown), "pass@1", "avg think len",
@@ -228,7 +235,22 @@ def results_table(results: dict[str, Any]) -> str:
                      *(f"{r['accuracy'][budgets.index(b)]:.3f}" for b in shown), f"{r.get('pass@1', 0):.3f}",
                      f"{r['avg_thinking_length']:.1f}", fails]
             lines.append("| " + " | ".join(cells) + " |")
+    # a table of its own: one column per budget and report field would not fit a screen
+    head = ["model", "benchmark", "budget", "acc", "completed", "completed acc", "cut", "summary len"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, per_bench in results["models"].items():
+        for name, r in per_bench.items():
+            for b in shown:
+                j = budgets.index(b)
+                cells = [Path(model).name or model, name, str(b), _cell(r["accuracy"][j]), _cell(r["completed"][j]),
+                         _cell(r["completed_accuracy"][j]), _cell(r["cut"][j]), _cell(r["summary_length"][j], ".1f")]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None, spec: str = ".3f") -> str:
+    """A table cell; "–" where there is nothing to report (no completed trace, no recorded length)."""
+    return "–" if value is None else format(value, spec)
 
 
 def write_results(results: dict[str, Any], out: Path) -> None:
@@ -237,32 +259,45 @@ def write_results(results: dict[str, Any], out: Path) -> None:
     budgets = results["budgets"]
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["model", "benchmark", "budget", "accuracy"])
+        writer.writerow(["model", "benchmark", "budget", *CSV_FIELDS])
         for model, per_bench in results["models"].items():
             for name, r in per_bench.items():
-                for b, a in zip(budgets, r["accuracy"]):
-                    writer.writerow([model, name, b, f"{a:.6f}"])
+                for j, b in enumerate(budgets):
+                    # an empty cell where there is nothing to report (as `None` is in results.json)
+                    writer.writerow([model, name, b,
+                                     *("" if r[k][j] is None else f"{r[k][j]:.6f}" for k in CSV_FIELDS)])
     (out / "results.md").write_text(results_table(results))
     plot_accuracy(results, out / "accuracy_vs_budget.png")
 
 
 def plot_accuracy(results: dict[str, Any], path: Path) -> None:
+    """Two panels over the budgets: accuracy of all traces (solid) and of the traces that had ended
+    on their own by the budget (dashed, same colour); the share of those completed traces."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    def nan(values: Sequence[float | None]) -> list[float]:   # matplotlib leaves a gap at NaN
+        return [float("nan") if v is None else v for v in values]
+
+    fig, (acc_ax, done_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    budgets = results["budgets"]
     for model, per_bench in results["models"].items():
         for name, r in per_bench.items():
-            ax.plot(results["budgets"], r["accuracy"], marker="o", ms=3,
-                    label=f"{Path(model).name or model} · {name} (anytime {r['anytime_accuracy']:.3f})")
-    ax.set_xlabel("thinking budget (tokens)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("accuracy vs thinking budget")
+            line, = acc_ax.plot(budgets, r["accuracy"], marker="o", ms=3,
+                                label=f"{Path(model).name or model} · {name} (anytime {r['anytime_accuracy']:.3f})")
+            acc_ax.plot(budgets, nan(r["completed_accuracy"]), ls="--", color=line.get_color())
+            done_ax.plot(budgets, r["completed"], marker="o", ms=3, color=line.get_color())
+    acc_ax.set_ylabel("accuracy (dashed: completed traces only)")
+    acc_ax.set_title("accuracy vs thinking budget")
+    acc_ax.legend(fontsize=8)
+    done_ax.set_ylabel("share of traces ended on their own")
+    done_ax.set_title("completed traces vs thinking budget")
+    for ax in (acc_ax, done_ax):
+        ax.set_xlabel("thinking budget (tokens)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

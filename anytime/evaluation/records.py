@@ -6,10 +6,12 @@ One record per (model, benchmark, problem, sample), one JSON object per line of 
     {"model": ..., "benchmark": ..., "index": 0, "problem_id": ..., "problem": ..., "gold": <raw gold>,
      "sample": 0, "thinking_length": 812, "natural_end": true, "eos_end": false,
      "budgets": [{"budget": 250, "cut": 250, "forced_zero": false,
-                  "summaries": [{"text": ..., "answer": ..., "score": 0.0, "reason": "wrong"}]}, ...]}
+                  "summaries": [{"text": ..., "answer": ..., "score": 0.0, "reason": "wrong",
+                                 "tokens": 41}]}, ...]}
 
 `text` is exactly what the verifier read (from the thinking's `</think>` to the end of the summary),
-`answer` the extracted `\\boxed{}` content, `reason` one of `anytime.reward.verifier.REASONS`. `forced_zero`
+`answer` the extracted `\\boxed{}` content, `reason` one of `anytime.reward.verifier.REASONS`, `tokens`
+the summary's generated length (absent from records of older versions). `forced_zero`
 marks a cut scored 0 without looking at the text: the trace stopped on EOS inside its thinking and
 the budget reaches that end, b ≥ |z| (the rollout's rule, as in the official code); rescoring keeps
 those at 0.
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from anytime.algo.budget import anytime_score, area_under_curve
+from anytime.evaluation.report import budget_report
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,8 @@ def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
     """The records of one rollout batch (`rows[b]` is the problem of prompt b of the rollout).
 
     The only place that reads an `AnytimeRollout` for eval records: its thinking lengths and ends,
-    cuts, scores and verifier reasons ([B, G, S, A] tensors) and the texts the verifier read and the
-    answers it extracted (flat lists in (b, g, j, a) order). `first_index` is the position of
+    cuts, scores, verifier reasons and summary lengths ([B, G, S, A] tensors) and the texts the
+    verifier read and the answers it extracted (flat lists in (b, g, j, a) order). `first_index` is the position of
     `rows[0]` in its benchmark; `tags` (e.g. model and benchmark, or the training step) lead every
     record.
     """
@@ -55,6 +58,7 @@ def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
     lengths, cuts = rollout.think_len.tolist(), rollout.cut.tolist()
     scores, reasons = rollout.scores.tolist(), rollout.reasons.tolist()
     natural, eos = rollout.natural_end.tolist(), rollout.eos_end.tolist()
+    summary_len = rollout.summary_len.tolist()
     records = []
     for b, row in enumerate(rows):
         for g in range(traces):
@@ -67,7 +71,8 @@ def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
                     # the rollout scores such a cut 0 whatever the text says (EOS before the budget)
                     "forced_zero": eos_zeroed(eos_end, length, budget),
                     "summaries": [{"text": rollout.texts[flat + a], "answer": rollout.answers[flat + a],
-                                   "score": float(scores[b][g][j][a]), "reason": REASONS[reasons[b][g][j][a]]}
+                                   "score": float(scores[b][g][j][a]), "reason": REASONS[reasons[b][g][j][a]],
+                                   "tokens": int(summary_len[b][g][j][a])}
                                   for a in range(summaries)],
                 })
             records.append({**(tags or {}), "index": first_index + b, "problem_id": row.id, "problem": row.problem,
@@ -85,8 +90,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def aggregate(records: Sequence[Record], budgets: Sequence[int],
               probs: Sequence[float] | None = None) -> dict[str, Any]:
-    """Per-budget accuracy, anytime/final accuracy, AUC, thinking length, pass@k and verifier failures
-    of one benchmark's records (every sample of every problem)."""
+    """Per-budget accuracy (and the per-budget report of `anytime.evaluation.report`: completed,
+    completed_accuracy, cut, summary_length), anytime/final accuracy, AUC, thinking length, pass@k and
+    verifier failures of one benchmark's records (every sample of every problem)."""
     budgets = list(budgets)
     if not records:
         raise ValueError("no sample records to aggregate")
@@ -117,6 +123,7 @@ def aggregate(records: Sequence[Record], budgets: Sequence[int],
         "samples": n,
         "budgets": budgets,
         "accuracy": acc,
+        **budget_report(records, budgets),
         "anytime_accuracy": anytime_score(acc, probs),
         "area_under_curve": area_under_curve(budgets, acc),
         "final_accuracy": acc[-1],

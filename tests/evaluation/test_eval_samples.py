@@ -58,6 +58,16 @@ def test_samples_file_has_one_record_per_problem_and_sample(eval_out, tiny_model
             assert res["accuracy"] == pytest.approx(acc, abs=1e-12)
             assert res["avg_thinking_length"] == pytest.approx(sum(r["thinking_length"] for r in mine) / 6)
             assert sum(res["failures"].values()) == 6 * 3
+            # the per-budget report, from the same records (`thinking_length` counts the ending token)
+            done = [[r for r in mine if (r["natural_end"] or r["eos_end"]) and r["thinking_length"] <= b]
+                    for b in BUDGETS]
+            assert res["completed"] == pytest.approx([len(d) / 6 for d in done], abs=1e-12)
+            assert res["cut"] == pytest.approx([1 - len(d) / 6 for d in done], abs=1e-12)
+            for j, d in enumerate(done):
+                scores = [r["budgets"][j]["summaries"][0]["score"] for r in d]
+                assert res["completed_accuracy"][j] == (pytest.approx(sum(scores) / len(d)) if d else None)
+            assert res["summary_length"] == pytest.approx(
+                [sum(r["budgets"][j]["summaries"][0]["tokens"] for r in mine) / 6 for j in range(3)], abs=1e-12)
     for r in records:
         assert 0 < r["thinking_length"] <= BUDGETS[-1] + 1 and isinstance(r["natural_end"], bool)
         assert [e["budget"] for e in r["budgets"]] == BUDGETS
@@ -65,8 +75,10 @@ def test_samples_file_has_one_record_per_problem_and_sample(eval_out, tiny_model
             assert e["cut"] <= min(e["budget"], r["thinking_length"])
             [s] = e["summaries"]
             assert s["text"].count("</think>") == 1 and s["reason"] in ("correct", "wrong", "no_answer", "bad_format")
+            assert 1 <= s["tokens"] <= 6   # --summary-max-tokens
     assert isinstance(records[0]["gold"], float) and isinstance(records[6]["gold"], list)
-    assert "acc@16" in (eval_out / "results.md").read_text() and "AUC" in (eval_out / "results.md").read_text()
+    table = (eval_out / "results.md").read_text()
+    assert "acc@16" in table and "AUC" in table and "| completed | completed acc | cut | summary len |" in table
 
 
 def test_a_checkpoint_is_exported_on_the_fly_and_scores_as_its_weights(eval_out, tiny_model_dir, checkpoint):

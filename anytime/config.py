@@ -20,7 +20,7 @@ from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPO
                           THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
-from anytime.core.recipe_checks import check_lora, check_rollout, require as _require
+from anytime.core.recipe_checks import check_data, check_lora, check_rollout, require as _require
 from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
@@ -50,7 +50,7 @@ class ModelConfig:
 class DataConfig:
     train: str = opt(
         "agentica-org/DeepScaleR-Preview-Dataset", "training prompts: a hub name, a local json/jsonl/parquet file, "
-                                                   "or \"synthetic\"")
+                                                   "\"synthetic\", or a procedural task \"reasoning_gym:<task>\"")
     split: str = opt("train", "split of a hub dataset")
     problem_key: str = opt("problem", "field of each training row holding the problem text")
     answer_key: str = opt("answer", "field of each training row holding the gold answer")
@@ -63,6 +63,10 @@ class DataConfig:
     synthetic_max_ops: int = opt(6, "synthetic task: most additions in a problem")
     synthetic_filler: float = opt(0.5, "chance of a filler line before each step in the warm-start traces")
     synthetic_whole_sums: bool = opt(False, "warm-start trace lines write whole sums (8+5=13), not last digits (8+5=3)")
+    task_config: dict[str, Any] = opt(factory=dict, doc="procedural task: its knobs (reasoning_gym.create_dataset "
+                                      "keys, e.g. max_terms); also those of eval.benchmarks naming the same task")
+    task_size: int = opt(defaults.TASK_SIZE,
+                         "procedural task: training problems generated (its held-out eval avoids them)")
 
 
 @dataclass
@@ -380,6 +384,7 @@ def validate(r: Recipe) -> None:
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     filler = r.data.synthetic_filler
     _require(0 <= filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {filler}")
+    check_data(r)
 
 
 def _validate_pipeline(r: Recipe) -> None:

@@ -20,6 +20,9 @@ HEADER = "\n\n**Final Answer**\n"
 # The paper caps a summary at 128 tokens, of which the inserted close/header take about 10.
 SUMMARY_MAX_TOKENS = 118
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# Training problems generated for a procedural task (`data.task_size`); the held-out eval of the
+# same task is checked disjoint from exactly these.
+TASK_SIZE = 4000
 
 DTYPES = Registry("model.dtype", {name: f"torch:{name}" for name in ("float32", "bfloat16", "float16", "float64")},
                   doc="the model's weights and compute dtype")

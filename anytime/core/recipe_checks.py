@@ -1,4 +1,4 @@
-"""Cross-field checks of the recipe's rollout and LoRA sections, each naming the key to change
+"""Cross-field checks of the recipe's rollout, LoRA and data sections, each naming the key to change
 (`anytime.config.validate` runs them; they live here to keep the schema module readable). They read
 the recipe by attribute, so this module imports nothing from `anytime.config`."""
 
@@ -57,3 +57,23 @@ def check_lora(r: Any) -> None:
     require(r.learner.backend != "deepspeed" or r.learner.zero_stage < 3,
             "`learner.lora.rank` > 0 with DeepSpeed supports ZeRO stages 0-2 (the adapter is small; ZeRO-3 would "
             "partition the frozen base too): set learner.zero_stage=2")
+
+
+def check_data(r: Any) -> None:
+    """`data`: a procedural task (`data.train: reasoning_gym:<task>`) exists, its knobs build it, and
+    the eval benchmarks naming tasks name real ones; checked at load so a typo fails before any model
+    loads. Imports reasoning-gym only for a recipe that names a task."""
+    from anytime.tasks.procedural import TaskError, check_task, make_dataset, task_name
+
+    d, name = r.data, task_name(r.data.train)
+    require(d.task_size > 0, f"`data.task_size` must be a positive integer, got {d.task_size}")
+    require(name is not None or not d.task_config, "`data.task_config` sets the knobs of a procedural task; it needs "
+            f"`data.train: reasoning_gym:<task>` (data.train is {d.train!r})")
+    try:
+        if name is not None:
+            make_dataset(name, d.task_config, seed=0, size=1)
+        for benchmark in r.eval.benchmarks:
+            if task_name(benchmark) is not None and benchmark != d.train:
+                check_task(task_name(benchmark), "eval.benchmarks")
+    except TaskError as exc:
+        raise RecipeError(str(exc)) from None

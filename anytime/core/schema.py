@@ -36,6 +36,8 @@ def type_name(tp: Any) -> str:
         item = type_name(typing.get_args(tp)[0])
         plural = {"an integer": "integers", "a number": "numbers", "a string": "strings"}
         return f"a list of {plural.get(item, item)}"
+    if origin is dict:
+        return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
             type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -68,6 +70,10 @@ def convert(value: Any, tp: Any, path: str) -> Any:
             raise RecipeError(f"recipe key `{path}` must be {type_name(tp)}, got {value!r}")
         (item,) = typing.get_args(tp)
         return [convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:   # free-form settings handed on to a library (e.g. `data.task_config`)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise RecipeError(f"recipe key `{path}` must be a mapping with string keys, got {value!r}")
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -1,15 +1,21 @@
 """The benchmark registry: names → where their rows live (hub or a local file), from
-`eval/benchmarks.yaml`. `synthetic` is built in (held-out problems of the quickstart task)."""
+`eval/benchmarks.yaml`. `synthetic` is built in (held-out problems of the quickstart task), and so is
+every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.procedural`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from anytime import defaults
+from anytime.data.procedural import heldout_task_rows
 from anytime.data.prompts import DataError, PromptRow, load_rows, synthetic_rows
+from anytime.tasks.procedural import PREFIX, task_name
 
 REGISTRY_ENV = "ANYTIME_BENCHMARKS"
 SYNTHETIC = "synthetic"
@@ -48,12 +54,18 @@ def load_registry(path: Path | None = None) -> dict[str, Benchmark]:
 
 
 def load_benchmark(name: str, *, data_dir: str | Path | None = None, limit: int | None = None,
-                   seed: int = 0, synthetic_ops: tuple[int, int] = (3, 6)) -> list[PromptRow]:
+                   seed: int = 0, synthetic_ops: tuple[int, int] = (3, 6), task_config: Mapping[str, Any] | None = None,
+                   train_size: int = defaults.TASK_SIZE) -> list[PromptRow]:
     """Rows of a registered benchmark, from `data_dir` when given, else from the hub. `synthetic`
-    draws `limit` (default 200) held-out problems with `synthetic_ops` (min, max) operations."""
+    draws `limit` (default 200) held-out problems with `synthetic_ops` (min, max) operations;
+    `reasoning_gym:<task>` draws them from the task with `task_config`, none of them in the training
+    split of `train_size` problems (the recipe's data.task_config / data.task_size; 0: no check)."""
+    if task_name(name) is not None:
+        return heldout_task_rows(name, task_config or {}, limit=limit, seed=seed, train_size=train_size)
     registry = load_registry()
     if name not in registry:
-        raise DataError(f"unknown benchmark {name!r}; available: {', '.join(sorted(registry))}")
+        raise DataError(f"unknown benchmark {name!r}; available: {', '.join(sorted(registry))}, or "
+                        f"{PREFIX}<task> (a held-out split of a reasoning-gym task)")
     if name == SYNTHETIC:
         from anytime.data.prompts import SYNTHETIC_EVAL_SEED
 

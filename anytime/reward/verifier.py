@@ -8,6 +8,11 @@ overruns (the item gets reason ``timeout``). Reading the answer out of the text 
 the text (`read_answer`); it runs in the parent, so that identical (answer, gold) pairs of a
 batch — common at late budgets — are verified once and share the verdict. `score_one` is the same
 computation in-process, for tests and trusted input.
+
+A procedural task's gold (`anytime.tasks.procedural`: a mapping tagged ``task:
+reasoning_gym:<name>``) is judged by that task's own scorer instead of math-verify, in the same
+workers: math-verify's symbolic equality would pay ``\\boxed{6 - 2}`` for a question asking
+6 - 2, since it evaluates the expression (docs/evaluation.md says which judge fits which data).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from anytime.reward.answer import (
     sanitize,
 )
 from anytime.reward.pool import Failure, WorkerPool
+from anytime.tasks.procedural import TaskGold, TaskScorer, as_task_gold, is_full_credit
 
 __all__ = [
     "DEFAULT_HEADER",
@@ -98,6 +104,16 @@ def verify_answer(
     return Verdict(1.0, "correct", answer) if correct else Verdict(0.0, "wrong", answer)
 
 
+def verify_task_answer(answer: str, gold: TaskGold, scorer: TaskScorer) -> Verdict:
+    """The verdict of ``answer`` by the task's own scorer: correct only at full credit (its partial
+    credit pays answers that merely contain the result, such as the restated ``6 - 2 = 4``)."""
+    try:
+        score = scorer(answer, gold)
+    except Exception:  # a scorer choking on hostile text, or a gold it cannot read
+        return Verdict(0.0, "error", answer)
+    return Verdict(1.0, "correct", answer) if is_full_credit(score) else Verdict(0.0, "wrong", answer)
+
+
 def score_one(
     text: str,
     gold: object,
@@ -123,10 +139,13 @@ def score_one(
         )
     if not think_end:
         raise ValueError("think_end must be a non-empty marker such as '</think>'")
-    golds = normalize_gold(gold)
+    task = as_task_gold(gold)
+    golds = normalize_gold(gold) if task is None else []
     read = read_answer(text, header_key(header), think_end)
     if isinstance(read, Verdict):
         return read
+    if task is not None:
+        return verify_task_answer(read, task, TaskScorer())
     return verify_answer(read, golds, math_timeout_s, lambda g: _parse(g, math_timeout_s))
 
 
@@ -135,12 +154,14 @@ def score_one(
 _GOLD_CACHE_SIZE = 4096
 
 
-def _worker_verifier() -> Callable[[str, tuple[str, ...]], tuple[float, str]]:
-    """Runs in each worker: verify (answer, golds) with parsed golds cached across items."""
+def _worker_verifier() -> Callable[[str, tuple[str, ...] | TaskGold], tuple[float, str]]:
+    """Runs in each worker: verify (answer, golds) with parsed golds cached across items; a
+    procedural gold goes to its task's scorer (reasoning-gym is imported on the first one)."""
     # Timeouts are the pool's job (it kills the worker); math-verify's alarm would only blur the
     # "timeout" reason, and its warning about the disabled alarm is noise here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold_cache: dict[str, Any] = {}
+    tasks = TaskScorer()
 
     def parse_gold(gold: str) -> Any:
         if gold not in gold_cache:
@@ -149,8 +170,11 @@ def _worker_verifier() -> Callable[[str, tuple[str, ...]], tuple[float, str]]:
             gold_cache[gold] = _parse(gold, None)
         return gold_cache[gold]
 
-    def verify(answer: str, golds: tuple[str, ...]) -> tuple[float, str]:
-        verdict = verify_answer(answer, golds, None, parse_gold)
+    def verify(answer: str, golds: tuple[str, ...] | TaskGold) -> tuple[float, str]:
+        if isinstance(golds, TaskGold):
+            verdict = verify_task_answer(answer, golds, tasks)
+        else:
+            verdict = verify_answer(answer, golds, None, parse_gold)
         return verdict.score, verdict.reason
 
     return verify
@@ -227,18 +251,19 @@ class RewardScorer:
         """Score ``texts[i]`` against ``golds[i]``; returns one `Verdict` per item, in order.
 
         Golds are normalised first (a bad gold raises ValueError naming its row); texts are read
-        with `read_answer`, and only their answers reach math-verify, in the workers.
+        with `read_answer`, and only their answers reach math-verify (or a procedural task's scorer),
+        in the workers.
         """
         if self._closed:
             raise RuntimeError("RewardScorer is closed; create a new one")
         if len(texts) != len(golds):
             raise ValueError(f"got {len(texts)} texts but {len(golds)} golds; pass one gold per text")
-        normalized = []
+        normalized: list[tuple[str, ...] | TaskGold] = []
         for i, (text, gold) in enumerate(zip(texts, golds)):
             if not isinstance(text, str):
                 raise ValueError(f"texts[{i}] must be a str, got {type(text).__name__}")
             try:
-                normalized.append(tuple(normalize_gold(gold)))
+                normalized.append(as_task_gold(gold) or tuple(normalize_gold(gold)))
             except ValueError as err:
                 raise ValueError(f"golds[{i}]: {err}") from err
         verdicts: list[Verdict | None] = [None] * len(texts)

@@ -2,7 +2,7 @@
 advantage to learn from, so it is dropped and its place in the step is refilled from more prompts.
 
 A step has `rollout.prompts_per_step` slots; the trainer gives each slot its candidate prompts (the
-first as without dynamic sampling, then `rollout.dynamic_sampling_max_draws - 1` spares). Draw r
+the next rows of the data, then `rollout.dynamic_sampling_max_draws - 1` spares). Draw r
 rolls out candidate r of every slot still unfilled, in one engine call; a slot is filled by the
 first of its candidates whose group is mixed. A slot with no mixed group after every draw trains
 nothing this step (its share of the loss normaliser stays, as for a group whose rows were all
@@ -15,8 +15,8 @@ baseline, and the summary advantages compare the summaries of one cut, so a grou
 signal while its final-budget rewards all agree. A group whose [G, S, A] rewards are all equal has
 zero advantage under every estimator here and is the one dropped.
 
-Seeds: draw r of a slot at step index i is seeded as prompt index r·num_prompts + i, so draw 0
-samples exactly what a run without dynamic sampling samples.
+Seeds: draw r of a slot at step index i is seeded as prompt index r·num_prompts + i, so draw 0 is
+seeded as a run without dynamic sampling seeds the same slot (its rows differ after step 0).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ import torch
 from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
 from anytime.algo.budget import anytime_score
 from anytime.batch.anytime_rollout import AnytimeRollout
-from anytime.core.stats import add_sums
 from anytime.batch.packing import build_train_batch
 from anytime.batch.train_batch import TrainBatch
+from anytime.core.stats import add_sums
 from anytime.rollout.dynamic_sampling import draw_mixed_groups, dynamic_metrics
 from anytime.rollout.inflight import WeightMailbox, version_sums
 from anytime.rollout.runner import AnytimeRolloutRunner

@@ -91,8 +91,8 @@ def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[in
 
 def step_candidate_rows(step: int, prompts_per_step: int, draws: int, num_rows: int) -> list[list[int]]:
     """Dynamic sampling: each slot's candidate rows, in draw order. Step `step` takes the next
-    `prompts_per_step × draws` rows: the first `prompts_per_step` are the rows it would roll out
-    without dynamic sampling, each further block one more draw of every slot."""
+    `prompts_per_step × draws` rows (the data advances `draws` times as fast as without dynamic
+    sampling): the first `prompts_per_step` are draw 0 of the slots, each further block one more draw."""
     first = step * prompts_per_step * draws
     return [[(first + r * prompts_per_step + i) % num_rows for r in range(draws)] for i in range(prompts_per_step)]
 

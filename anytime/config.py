@@ -20,7 +20,7 @@ from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPO
                           THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
-from anytime.core.recipe_checks import check_data, check_lora, check_rollout, require as _require
+from anytime.core.recipe_checks import check_data, check_lora, check_old_logprobs, check_rollout, require as _require
 from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
@@ -208,11 +208,16 @@ class LearnerConfig:
         True, "one tree-packed row per trace (summaries as branches) instead of a row per summary")
     logprob_chunk_tokens: int = opt(1024, "tokens per LM-head chunk: no [tokens × vocab] logits beyond one chunk")
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3; 1-2 with a pipeline)")
-    bf16: bool = opt(False, "DeepSpeed: bf16 mixed precision")
+    bf16: bool = opt(False, "bf16 mixed precision: DeepSpeed's bf16 mode; torch: autocast of the forward passes")
+    old_logprobs: Literal["recompute", "update"] = opt(
+        "recompute", "the PPO ratio's old log-probs: recompute = a learner pass before the update; update = the update's "
+                     "own, detached (fully on-policy steps only: one epoch, one mini-batch, lock-step; saves a pass)")
     reference_model: bool = opt(False, "load a frozen reference model (needed only with algorithm.kl_coef > 0)")
     deterministic: bool = opt(False, "torch's deterministic algorithms (slower)")
     pipeline: PipelineConfig = opt(factory=PipelineConfig, doc="zero-bubble pipeline parallelism of the learner")
     lora: LoRAConfig = opt(factory=LoRAConfig, doc="low-rank adapters through peft (torch, DeepSpeed ZeRO 0-2)")
+    trainable_layers: int = opt(
+        0, "train only the top N decoder layers (with LoRA: adapters there only); no backward below them. 0 = all")
 
     @property
     def processes(self) -> int:
@@ -380,6 +385,7 @@ def validate(r: Recipe) -> None:
         _check_grid("eval.budgets", r.eval.budgets, b.max_thinking)
     _validate_pipeline(r)
     check_lora(r)
+    check_old_logprobs(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     filler = r.data.synthetic_filler

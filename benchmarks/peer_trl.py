@@ -1,4 +1,4 @@
-"""A peer: TRL's GRPOTrainer next to our GRPO and BRPO on the CPU quickstart.
+"""A peer: TRL's GRPOTrainer next to our GRPO and BRPO, on the CPU quickstart or on a real model.
 
 Warm-starts the quickstart's tiny model once (its SFT stage), then trains three policies from it
 with the same prompts in the same order (8 prompts × 8 completions a step), the same optimiser
@@ -13,12 +13,21 @@ Each final model is scored by our held-out evaluation (the quickstart's: budgets
 synthetic problems × 8 traces sampled at temperature 0.6, top-p 0.95). Seconds per step are means over the steps after the first (the first
 warms caches up), one thread each, the rollout included.
 
+With `--recipe recipes/smollm2_reasoning.yaml` (a real model: SmolLM2-135M-Instruct on one-digit sums,
+vLLM rollouts) there is no warm start: all three start from the recipe's model with its batch
+(8 prompts × 8 completions), optimiser, trained layers (`learner.trainable_layers`, frozen alike in
+TRL's model), bf16 autocast, temperature and steps, the threads of the recipe (`trainer.num_threads`).
+TRL generates with transformers and has no budget cut or forced summary, so its reward is the task's
+own scorer on the completion's final answer (its last `\boxed{}`, else its last number); ours score
+the forced summaries. All are scored afterwards by the recipe's own held-out eval.
+
 Prints ``name: value`` lines: s_per_step_ours_grpo, s_per_step_ours_brpo, s_per_step_trl_grpo,
-trl_over_ours (TRL's s/step ÷ our GRPO's), anytime_sft, anytime_ours_grpo, anytime_ours_brpo,
-anytime_trl_grpo.
+trl_over_ours (TRL's s/step ÷ our GRPO's), anytime_sft (the start: the warm start, or the real model),
+anytime_ours_grpo, anytime_ours_brpo, anytime_trl_grpo.
 
 Needs TRL (an optional extra: pip install -e '.[peer]').
     python benchmarks/peer_trl.py [--steps 40] [--work runs/peer_trl] [--warm-start DIR] [--only ours_grpo,ours_brpo,trl_grpo]
+    python benchmarks/peer_trl.py --recipe recipes/smollm2_reasoning.yaml --steps 12 --work runs/peer_trl_smollm2
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,25 +44,40 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = str(REPO / "recipes" / "quickstart.yaml")
-EVAL_BUDGETS = "eval.budgets=[16,32,48,64]"
-OURS = {
-    "ours_grpo": ["budget.budgets=[64]", "budget.prior=base", "summary.n=1", "summary.estimator=grpo",
-                  "algorithm.estimator=grpo"],
-    "ours_brpo": [],
-}
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+OURS = ("ours_grpo", "ours_brpo")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 
-def run_ours(name: str, sft_path: str, args: argparse.Namespace) -> dict[str, float]:
-    """One of our runs, in its own process (`anytime train`), from the shared warm start."""
+def eval_budgets(recipe: Any) -> str:
+    """Every run is scored on the recipe's training grid (GRPO trains on its largest budget only)."""
+    return f"eval.budgets=[{','.join(str(b) for b in recipe.budget.grid())}]"
+
+
+def variant(name: str, recipe: Any) -> list[str]:
+    """Our GRPO (one budget, the largest; one summary; GRPO's std-scaled group advantages, as TRL's
+    scale_rewards="group") or BRPO (the recipe itself)."""
+    if name == "ours_brpo":
+        return []
+    return [f"budget.budgets=[{recipe.budget.grid()[-1]}]", "budget.prior=base", "summary.n=1",
+            "summary.estimator=grpo", "algorithm.estimator=grpo"]
+
+
+def run_ours(name: str, start: str, args: argparse.Namespace) -> dict[str, float]:
+    """One of our runs, in its own process (`anytime train`), from the shared start."""
+    from anytime.config import load_recipe
+
+    recipe = load_recipe(args.recipe)
     run_dir = Path(args.work) / name
-    overrides = [f"trainer.seed={args.seed}", "logging.progress=false", f"model.path={sft_path}", "model.tiny=false",
+    overrides = [f"trainer.seed={args.seed}", "logging.progress=false", f"model.path={start}", "model.tiny=false",
                  "sft.steps=0", f"trainer.steps={args.steps}", f"trainer.output_dir={run_dir}",
-                 "trainer.resume=never", "trainer.save_every=100000", EVAL_BUDGETS, *OURS[name]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "anytime.cli", "train", RECIPE, *overrides], check=True, env=env,
+                 "trainer.resume=never", "trainer.save_every=100000", eval_budgets(recipe), *variant(name, recipe)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.recipe == QUICKSTART:
+        env["OMP_NUM_THREADS"] = "1"
+    subprocess.run([sys.executable, "-m", "anytime.cli", "train", args.recipe, *overrides], check=True, env=env,
                    stdout=subprocess.DEVNULL)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [m["time/step"] for m in steps if "time/step" in m]
@@ -69,6 +94,16 @@ def step_prompts(recipe: Any, steps: int) -> list[Any]:
     return [rows[i] for step in range(steps) for i in step_row_indices(step, n, len(rows))]
 
 
+def final_answer(completion: str, think_end: str, header: str) -> str:
+    """A completion without a thinking format as our verifier reads a summary: its last `\\boxed{}`
+    (else its last number) after the end of thinking and the header."""
+    boxed = completion.rfind("\\boxed{")
+    if boxed >= 0:
+        return f"{think_end}\n\n{header}\n{completion[boxed:]}"
+    numbers = NUMBER.findall(completion)
+    return f"{think_end}\n\n{header}\n\\boxed{{{numbers[-1] if numbers else ''}}}"
+
+
 def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
     """TRL's GRPOTrainer on the same prompts, optimiser and token room; our verifier as its reward."""
     import torch
@@ -81,8 +116,8 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
     from anytime.reward.verifier import RewardScorer
     from anytime.rollout.settings import engine_max_len
 
-    torch.set_num_threads(1)
-    recipe = load_recipe(RECIPE, [f"trainer.seed={args.seed}"])
+    recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}"])
+    torch.set_num_threads(1 if args.recipe == QUICKSTART else recipe.trainer.num_threads)
     tok = AutoTokenizer.from_pretrained(sft_path)
     rows = step_prompts(recipe, args.steps)
     messages = [[{"role": "user", "content": user_message(r.problem, recipe.data.instruction)}] for r in rows]
@@ -98,7 +133,9 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
                         **_: Any) -> list[float]:
         # Decode the ids: TRL's texts drop special tokens, `</think>` among them.
         texts = [tok.decode([t for t in ids if t not in eos], skip_special_tokens=False) for ids in completion_ids]
-        return [v.score for v in scorer.score(texts, answer)]
+        if not any(s.think_end in t for t in texts):   # an instruct model: no thinking format
+            texts = [final_answer(t, s.think_end, s.header.strip()) for t in texts]
+        return [v.score for v in scorer.score(texts, [rows[i].answer for i in answer])]
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -122,10 +159,15 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
         beta=0.0, epsilon=recipe.algorithm.clip_low, epsilon_high=recipe.algorithm.clip_high,
         loss_type="dapo",  # token-mean over the batch, as recipe algorithm.loss_agg=token-mean
         scale_rewards="group", use_vllm=False, logging_steps=1, save_strategy="no", report_to="none",
-        bf16=False, dataloader_num_workers=0, disable_tqdm=True,
+        bf16=learner.bf16, dataloader_num_workers=0, disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32)
-    dataset = Dataset.from_list([{"prompt": m, "answer": str(r.answer)} for m, r in zip(messages, rows)])
+    if learner.trainable_layers:
+        from anytime.learner.freeze import train_top_layers
+
+        train_top_layers(model, learner.trainable_layers)
+    # the gold travels as the row's index (a procedural task's gold is not a dataset value)
+    dataset = Dataset.from_list([{"prompt": m, "answer": i} for i, m in enumerate(messages)])
     trainer = GRPOTrainer(model=model, reward_funcs=verifier_reward, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[timer])
     try:
@@ -146,8 +188,9 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
     from anytime.evaluation.in_training import evaluate_on_worker
     from anytime.rollout.worker import RolloutWorker
 
-    recipe = load_recipe(RECIPE, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false",
-                                  EVAL_BUDGETS])
+    recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false"])
+    recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false",
+                                       eval_budgets(recipe)])
     tok = AutoTokenizer.from_pretrained(model_path)
     worker = RolloutWorker(recipe, model_path, tok, tok.pad_token_id)
     try:
@@ -158,6 +201,9 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=QUICKSTART,
+                        help="the quickstart (a warm start first) or a real-model recipe such as "
+                             "recipes/smollm2_reasoning.yaml (from its model)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--work", default="runs/peer_trl")
     parser.add_argument("--seed", type=int, default=0)
@@ -173,7 +219,8 @@ def main() -> int:
 
         if importlib.util.find_spec("trl") is None:
             parser.error("TRL is not installed: pip install -e '.[peer]' (or leave trl_grpo out of --only)")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if Path(args.recipe).resolve() == Path(QUICKSTART):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from anytime.config import load_recipe
@@ -182,9 +229,14 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sft = [] if args.sft_steps is None else [f"sft.steps={args.sft_steps}"]
-    sft_path = args.warm_start or prepare_model(load_recipe(RECIPE, [
-        f"trainer.seed={args.seed}", "logging.progress=false", f"trainer.output_dir={work}/shared",
-        f"model.path={work}/shared/init_model", *sft]))
+    args.recipe = str(Path(args.recipe).resolve())
+    recipe = load_recipe(args.recipe)
+    if args.recipe != QUICKSTART:
+        sft_path = recipe.model.path
+    else:
+        sft_path = args.warm_start or prepare_model(load_recipe(QUICKSTART, [
+            f"trainer.seed={args.seed}", "logging.progress=false", f"trainer.output_dir={work}/shared",
+            f"model.path={work}/shared/init_model", *sft]))
     results = {name: run_ours(name, sft_path, args) for name in OURS if name in only}
     if "trl_grpo" in only:
         results["trl_grpo"] = run_trl(sft_path, args)

@@ -128,6 +128,9 @@ class LossSpec:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_type: str = "k3"
+    # old log-probs = these log-probs, detached (`learner.old_logprobs: update`): ratio 1, the
+    # clipped objective's gradient is the plain policy gradient, as TRL does with one iteration
+    on_policy: bool = False
 
     def policy_loss_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `policy_loss`."""
@@ -141,7 +144,8 @@ def token_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: Trai
     """The loss of some rows of a mini-batch (its share of the mini-batch loss: summing it over the
     mini-batch's micro-batches gives the mini-batch loss) and its statistics as token-weighted sums.
     `logprobs`, `entropy`, `ref_logprobs` are target-aligned like the batch's per-token tensors."""
-    return masked_token_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, spec, entropy=entropy,
+    old = logprobs.detach() if spec.on_policy else batch.old_logprobs
+    return masked_token_loss(logprobs, old, batch.advantages, batch.loss_mask, spec, entropy=entropy,
                              ref_logprobs=ref_logprobs, segments=batch.segments)
 
 

@@ -42,8 +42,14 @@ def check_rollout(r: Any) -> None:
 
 
 def check_lora(r: Any) -> None:
-    """`learner.lora`: the adapter's settings and the learners that train one."""
+    """`learner.lora` and `learner.trainable_layers`: the adapter's settings and the learners that
+    train one or a model's top layers."""
     lo = r.learner.lora
+    require(r.learner.trainable_layers >= 0,
+            f"`learner.trainable_layers` must be >= 0 (0 = every layer trains), got {r.learner.trainable_layers}")
+    require(r.learner.trainable_layers == 0 or r.learner.pipeline.stages == 1,
+            "`learner.trainable_layers` is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
+            "set learner.trainable_layers=0 or learner.pipeline.stages=1")
     require(lo.rank >= 0, f"`learner.lora.rank` must be >= 0 (0 = full fine-tuning), got {lo.rank}")
     if lo.rank == 0:
         return
@@ -57,6 +63,27 @@ def check_lora(r: Any) -> None:
     require(r.learner.backend != "deepspeed" or r.learner.zero_stage < 3,
             "`learner.lora.rank` > 0 with DeepSpeed supports ZeRO stages 0-2 (the adapter is small; ZeRO-3 would "
             "partition the frozen base too): set learner.zero_stage=2")
+
+
+def check_old_logprobs(r: Any) -> None:
+    """`learner.old_logprobs: update` only where the recomputed ones would equal the update's own: one
+    pass over one mini-batch, rolled out by these very weights, with nothing that reads them apart."""
+    if r.learner.old_logprobs != "update":
+        return
+    lc, why = r.learner, []
+    if lc.ppo_epochs != 1:
+        why.append(f"learner.ppo_epochs is {lc.ppo_epochs} (set 1)")
+    if lc.mini_batch_prompts < r.rollout.prompts_per_step:
+        why.append(f"learner.mini_batch_prompts ({lc.mini_batch_prompts}) is below rollout.prompts_per_step "
+                   f"({r.rollout.prompts_per_step}): set it to at least that, for one mini-batch a step")
+    if r.rollout.max_staleness:
+        why.append(f"rollout.max_staleness is {r.rollout.max_staleness} (set 0: stale rollouts need the correction)")
+    if r.algorithm.offpolicy_correction != "none":
+        why.append(f"algorithm.offpolicy_correction is {r.algorithm.offpolicy_correction} (set none)")
+    if lc.pipeline.stages > 1:
+        why.append("learner.pipeline.stages > 1 (the pipelined learner recomputes them)")
+    require(not why, "`learner.old_logprobs: update` reuses the update's own log-probs, exact only for fully on-policy "
+            "steps; set learner.old_logprobs=recompute, or: " + "; ".join(why))
 
 
 def check_data(r: Any) -> None:

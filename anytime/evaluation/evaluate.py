@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     opts = resolve_options(args)
     budgets = list(opts.budgets)
     out = Path(args.out)
-    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed)
+    data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed,
+                                 **opts.task_split(name))
             for name in opts.benchmarks}
     limits = {model: model_max_len(model) for model in args.model}  # fail before any generation
     rooms = {model: summary_room(model, opts) for model in args.model}

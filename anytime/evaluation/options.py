@@ -58,10 +58,22 @@ class EvalOptions:
     dtype: str = "bfloat16"
     engine: str = "vllm"
     eos_ends_thinking: bool = False       # instruct models: EOS closes the thinking (summary.eos_ends_thinking)
+    # a recipe's procedural task (`data.train: reasoning_gym:<task>`): its knobs and training split,
+    # so that `eval.benchmarks: [reasoning_gym:<task>]` is the held-out split the run's own eval scores
+    train_task: str | None = None
+    task_config: tuple[tuple[str, Any], ...] = ()
+    task_size: int = 0
 
     @property
     def sampling_seed(self) -> int:
         return self.seed if self.sample_seed is None else self.sample_seed
+
+    def task_split(self, benchmark: str) -> dict[str, Any]:
+        """`load_benchmark`'s task knobs for `benchmark`: the recipe's, when it is the recipe's own
+        procedural task (as the in-training eval does), else none."""
+        if benchmark != self.train_task:
+            return {}
+        return {"task_config": dict(self.task_config), "train_size": self.task_size}
 
     def settings(self, seed: int) -> Any:
         """The rollout settings (`AnytimeSettings`) of this eval."""
@@ -84,7 +96,9 @@ def recipe_options(recipe: Any) -> dict[str, Any]:
                 instruction=recipe.data.instruction, temperature=ev.temperature, top_p=ev.top_p,
                 seed=recipe.trainer.seed, sample_seed=ev.seed,
                 max_prompt_len=recipe.data.max_prompt_len, data_dir=ev.data_dir, limit=ev.limit,
-                dtype=recipe.model.dtype, engine=recipe.rollout.engine, eos_ends_thinking=summary.eos_ends_thinking)
+                dtype=recipe.model.dtype, engine=recipe.rollout.engine, eos_ends_thinking=summary.eos_ends_thinking,
+                train_task=recipe.data.train, task_config=tuple(sorted(recipe.data.task_config.items())),
+                task_size=recipe.data.task_size)
 
 
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ class DataParallelLearner:
                 m.set_attn_implementation(impl)
         world = rank_world()[1]
         self.dp_size, self.dp_ranks = world, list(range(world))
+        self.autocast_bf16 = False   # the torch learner's `learner.bf16` (DeepSpeed's is its engine's own)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """(rows, micro-batch) packed by `learner.micro_batch_tokens`; ranks with fewer get empty ones
@@ -80,7 +81,8 @@ class DataParallelLearner:
         chunk = self.cfg.logprob_chunk_tokens
         chosen = mb.valid_mask if select is None else select
         chunks = max_across_ranks(head_chunks(int(chosen.sum()), chunk))
-        return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -165,6 +167,7 @@ class TorchLearner(DataParallelLearner):
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
                  ref_model: torch.nn.Module | None = None, peft_model: Any = None):
         super().__init__(model, cfg, ref_model, peft_model)
+        self.autocast_bf16 = cfg.bf16
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

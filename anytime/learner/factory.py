@@ -34,9 +34,15 @@ def build_learner(recipe: Recipe, model_path: str) -> Learner:
         return kind(model_path, lc, total, dtype=dtype, seed=recipe.trainer.seed, device=device)
     model = load_model(model_path, dtype, device, recipe.model.trust_remote_code, recipe.model.gradient_checkpointing)
     if lc.lora.rank > 0:  # the reference model is this model with the adapter switched off
+        from anytime.learner.freeze import top_layer_indices
         from anytime.learner.lora import apply_lora
 
-        return kind(model, lc, total, peft_model=apply_lora(model, lc.lora, model_path))
+        layers = top_layer_indices(model, lc.trainable_layers) if lc.trainable_layers else None
+        return kind(model, lc, total, peft_model=apply_lora(model, lc.lora, model_path, layers=layers))
+    if lc.trainable_layers:
+        from anytime.learner.freeze import train_top_layers
+
+        train_top_layers(model, lc.trainable_layers)
     ref = None
     if lc.reference_model:
         ref = load_model(model_path, dtype, device, recipe.model.trust_remote_code, False).eval()

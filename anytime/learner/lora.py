@@ -26,14 +26,16 @@ ADAPTER = "default"         # peft's name of the one adapter
 AdapterUpdate = list[tuple[str, torch.Tensor, torch.Tensor, float]]
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, base_path: str) -> Any:
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, base_path: str, layers: list[int] | None = None) -> Any:
     """Inject trainable LoRA layers into `model` (in place) and freeze everything else; returns the
-    `PeftModel` around it. `base_path` is recorded in the adapter's config (absolute when local)."""
+    `PeftModel` around it. `layers`: the decoder layers adapted (None: all). `base_path` is recorded
+    in the adapter's config (absolute when local)."""
     from peft import LoraConfig, get_peft_model
 
     path = Path(base_path)
+    where = {} if layers is None else {"layers_to_transform": layers, "layers_pattern": "layers"}
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                        target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+                        target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM", **where)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:  # e.g. target modules the model does not have

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _COUNTS = ("skipped_updates", "empty_minibatches")
 
 
-def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> LossSpec:
+def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch, on_policy: bool = False) -> LossSpec:
     """The loss normaliser of one mini-batch, in one place. It is global: the same for every
     data-parallel replica, counted over the whole mini-batch, so each replica's loss is its share
     of the mini-batch loss and the learners *sum* the replicas' gradients.
@@ -44,7 +44,7 @@ def loss_spec(algo: AlgorithmConfig, mini: MiniBatch, batch: TrainBatch) -> Loss
         rows = float(max(int(batch.sequences_per_prompt[mini.all_prompts].sum()) if mini.all_prompts else 0, 1))
     return LossSpec(algo.loss_agg, algo.clip_low, algo.clip_high, num_tokens=max(tokens, 1.0), num_rows=rows,
                     max_len=algo.loss_norm_length or batch.max_len, entropy_coef=algo.entropy_coef,
-                    kl_coef=algo.kl_coef, kl_type=algo.kl_type)
+                    kl_coef=algo.kl_coef, kl_type=algo.kl_type, on_policy=on_policy)
 
 
 def logprob_mismatch(batch: TrainBatch) -> float:
@@ -73,7 +73,7 @@ def ppo_update(learner: Learner, batch: TrainBatch, algo: AlgorithmConfig, cfg: 
             if not any_across_ranks(len(mini.batch) > 0):  # every advantage was zero: nothing to learn
                 stats["empty_minibatches"].append(1.0)
                 continue
-            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch))
+            sums = learner.forward_backward(mini.batch, loss_spec(algo, mini, batch, cfg.old_logprobs == "update"))
             if any_across_ranks(not math.isfinite(sums["loss"])):
                 learner.zero_grad()
                 stats["skipped_updates"].append(1.0)

@@ -125,6 +125,16 @@ def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
     return path
 
 
+def peak_rss_gb() -> dict[str, float]:
+    """Peak resident memory so far of this process and of its largest ended child (verifier workers,
+    engine processes), in GB (Linux reports KiB)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    return {"peak_rss_gb": own, "peak_rss_child_gb": child}
+
+
 def _run_here(recipe: Recipe) -> int:
     import torch.distributed as dist
 
@@ -147,10 +157,11 @@ def _run_here(recipe: Recipe) -> int:
         wall = time.perf_counter() - t0
         before = history.get("before", {}).get("eval/anytime")
         after = history.get("after", {}).get("eval/anytime")
-        summary = {"anytime_before": before, "anytime_after": after, "wall_seconds": wall}
+        rss = peak_rss_gb()
+        summary = {"anytime_before": before, "anytime_after": after, "wall_seconds": wall, **rss}
         if before is not None and after is not None:
             print(f"anytime score (held-out, mean over eval budgets): before RL {before:.3f} -> after RL {after:.3f} "
-                  f"({after - before:+.3f}); wall time {wall / 60:.1f} min")
+                  f"({after - before:+.3f}); wall time {wall / 60:.1f} min; peak RSS {rss['peak_rss_gb']:.1f} GB")
         (Path(recipe.trainer.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     if initialized():
         dist.destroy_process_group()

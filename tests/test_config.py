@@ -103,3 +103,15 @@ def test_cli_prints_errors_without_traceback(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["config", str(RECIPES[0]), "rollout.n"]) == 2
     assert "key.path=value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("serving", "cuda", "adapter"), [("auto", True, True), ("auto", False, False),
+                                                          ("adapter", False, True), ("merged", True, False)])
+def test_lora_vllm_serving_resolves_auto_by_device(serving, cuda, adapter):
+    r = recipe_from_dict({"learner": {"lora": {"rank": 4, "vllm_serving": serving}}})
+    assert r.learner.lora.vllm_serves_adapter(cuda) is adapter
+
+
+def test_lora_vllm_serving_rejects_an_unknown_mode():
+    with pytest.raises(RecipeError, match="vllm_serving"):
+        recipe_from_dict({"learner": {"lora": {"rank": 4, "vllm_serving": "unmerged"}}})

@@ -53,6 +53,16 @@ def load_registry(path: Path | None = None) -> dict[str, Benchmark]:
     return out
 
 
+def task_split(name: str, train_source: str | None, task_config: Mapping[str, Any],
+               task_size: int) -> dict[str, Any]:
+    """`load_benchmark`'s task knobs for benchmark `name` in a run that trains on `train_source`
+    (`data.train`, `data.task_config`, `data.task_size`): the training task's held-out split keeps its
+    knobs and stays disjoint from the training split; any other benchmark has no training split to avoid."""
+    if name != train_source:
+        return {"task_config": None, "train_size": 0}
+    return {"task_config": dict(task_config), "train_size": task_size}
+
+
 def load_benchmark(name: str, *, data_dir: str | Path | None = None, limit: int | None = None,
                    seed: int = 0, synthetic_ops: tuple[int, int] = (3, 6), task_config: Mapping[str, Any] | None = None,
                    train_size: int = defaults.TASK_SIZE) -> list[PromptRow]:

@@ -106,14 +106,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model given twice with the same value: {args.model}; results are keyed by model")
     from tqdm.auto import tqdm
 
-    from anytime.data.benchmarks import load_benchmark
+    from anytime.data.benchmarks import load_benchmark, task_split
     from anytime.reward.verifier import RewardScorer
 
     opts = resolve_options(args)
     budgets = list(opts.budgets)
     out = Path(args.out)
     data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed,
-                                 **opts.task_split(name))
+                                 **task_split(name, opts.train_task, dict(opts.task_config), opts.task_size))
             for name in opts.benchmarks}
     limits = {model: model_max_len(model) for model in args.model}  # fail before any generation
     rooms = {model: summary_room(model, opts) for model in args.model}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from anytime.data.benchmarks import load_benchmark
+from anytime.data.benchmarks import load_benchmark, task_split
 from anytime.evaluation.evaluate import evaluate_rows
 from anytime.evaluation.options import EvalOptions, recipe_options
 from anytime.evaluation.records import cap_records
@@ -41,11 +41,9 @@ def evaluate_on_worker(worker: Any) -> tuple[dict[str, float], list[dict[str, An
     scores = []
     records: list[dict[str, Any]] = []
     for name in ev.benchmarks:
-        trained = name == r.data.train   # a procedural task's held-out split: its knobs, disjoint from training
         rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
                               synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops),
-                              task_config=r.data.task_config if trained else None,
-                              train_size=r.data.task_size if trained else 0)
+                              **task_split(name, r.data.train, r.data.task_config, r.data.task_size))
         out = evaluate_rows(runner, worker.tokenizer, rows, budgets=opts.budgets, instruction=opts.instruction,
                             max_prompt_len=opts.max_prompt_len, seed=opts.sampling_seed,
                             records=records if ev.max_sample_records else None, tags={"benchmark": name})

@@ -68,13 +68,6 @@ class EvalOptions:
     def sampling_seed(self) -> int:
         return self.seed if self.sample_seed is None else self.sample_seed
 
-    def task_split(self, benchmark: str) -> dict[str, Any]:
-        """`load_benchmark`'s task knobs for `benchmark`: the recipe's, when it is the recipe's own
-        procedural task (as the in-training eval does), else none."""
-        if benchmark != self.train_task:
-            return {}
-        return {"task_config": dict(self.task_config), "train_size": self.task_size}
-
     def settings(self, seed: int) -> Any:
         """The rollout settings (`AnytimeSettings`) of this eval."""
         from anytime.rollout.settings import AnytimeSettings

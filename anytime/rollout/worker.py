@@ -91,7 +91,8 @@ class RolloutWorker:
         if r.rollout.engine == "vllm" and torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = r.rollout.enable_sleep
-        if r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray":
+        if (r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray"
+                and r.learner.lora.vllm_serves_adapter(torch.cuda.is_available())):
             # vLLM serves the adapter itself (Ray actors get merged full weights through the object store)
             kwargs["max_lora_rank"] = r.learner.lora.rank
         self.engine = create_engine(r.rollout.engine, model_path, max_model_len=engine_max_len(r, tokenizer),

@@ -3,9 +3,11 @@ verifier, the results table's budgets, and eval settings taken from a training r
 
 import argparse
 import json
+from functools import partial
 
 import pytest
 
+from anytime.data.benchmarks import task_split
 from anytime.evaluation.evaluate import table_budgets
 from anytime.evaluation.options import EvalOptions, add_option_arguments, recipe_options, resolve_options
 from anytime.evaluation.records import aggregate, cap_records, read_samples, rescore_records, write_samples
@@ -143,7 +145,13 @@ def test_a_recipes_procedural_task_keeps_its_knobs_and_training_split_in_eval(tm
                       "       task_config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}\n"
                       "eval: {benchmarks: ['reasoning_gym:chain_sum', math500]}\n")
     opts = resolve_options(_args("--recipe", str(recipe)))
-    assert opts.task_split("reasoning_gym:chain_sum") == {
+    split = partial(task_split, train_source=opts.train_task, task_config=dict(opts.task_config),
+                    task_size=opts.task_size)
+    assert split("reasoning_gym:chain_sum") == {
         "task_config": {"max_digits": 1, "max_terms": 2, "min_digits": 1, "min_terms": 2}, "train_size": 64}
-    assert opts.task_split("math500") == {}
-    assert EvalOptions().task_split("reasoning_gym:chain_sum") == {}
+    assert split("math500") == {"task_config": None, "train_size": 0}
+    # without a recipe (or for a task the run did not train on) there is no training split to avoid,
+    # exactly as the in-training eval treats a benchmark that is not `data.train`
+    plain = EvalOptions()
+    assert task_split("reasoning_gym:chain_sum", plain.train_task, dict(plain.task_config), plain.task_size) == {
+        "task_config": None, "train_size": 0}

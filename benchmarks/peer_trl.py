@@ -27,7 +27,7 @@ anytime_ours_grpo, anytime_ours_brpo, anytime_trl_grpo.
 
 Needs TRL (an optional extra: pip install -e '.[peer]').
     python benchmarks/peer_trl.py [--steps 40] [--work runs/peer_trl] [--warm-start DIR] [--only ours_grpo,ours_brpo,trl_grpo]
-    python benchmarks/peer_trl.py --recipe recipes/smollm2_reasoning.yaml --steps 12 --work runs/peer_trl_smollm2
+    python benchmarks/peer_trl.py --recipe recipes/smollm2_reasoning.yaml --steps 20 --only ours_grpo,trl_grpo
 """
 
 from __future__ import annotations

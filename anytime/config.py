@@ -81,8 +81,8 @@ class RolloutConfig:
     enable_sleep: bool = opt(False, "GPU: the engine sleeps during the learner update and wakes for the weight sync")
     placement: Annotated[str, Choice(PLACEMENTS, "auto")] = opt(
         "auto", "where rollout workers run: inprocess (learner rank 0), colocated (every learner rank), ray, "
-                "processes (local processes without Ray); auto = "
-                "inprocess with one learner process, else colocated")
+                "processes (local processes without Ray); auto = processes in flight (staleness_mode inflight), "
+                "else inprocess with one learner process, colocated with more")
     workers: int = opt(1, "rollout worker processes (placement: ray or processes)")
     ray_cpus_per_worker: float = opt(1.0, "CPUs each Ray rollout actor reserves")
     ray_gpus_per_worker: float | None = opt(
@@ -96,7 +96,8 @@ class RolloutConfig:
     staleness_mode: Literal["locked", "inflight"] = opt(
         "locked", "with max_staleness k > 0: locked = batch t entirely on the weights of step t - k (exact, "
                   "reproducible); inflight = workers take each new version between decoding steps, unfinished traces "
-                  "continuing under it (Ray actors, hf engine; faster, not reproducible bit for bit)")
+                  "continuing under it (Ray actors or worker processes, hf or vllm engine; faster, not reproducible bit "
+                  "for bit)")
     worker_restarts: int = opt(0, "Ray: times each rollout actor that dies is started again and its prompts "
                                   "regenerated (same samples); 0 = the step fails naming the worker")
     dynamic_sampling: bool = opt(

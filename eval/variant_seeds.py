@@ -6,7 +6,8 @@ eval, in training). The quickstart's figures, against which each seed is paired,
 `--baseline`:
 
 - `rerun` (the default): the quickstart's RL run here from the same warm start (the same machine and
-  build, so the pair differs only by the variant);
+  build, so the pair differs only by the variant); `--against VARIANT` pairs with another variant's
+  rerun instead (e.g. in-flight on vLLM against lock-step on vLLM, so only the mode differs);
 - `ladder`: the AR-linear rung of the same seed in `eval/ablation/results.json` (same recipe, same
   eval). Its warm start is the same run only on the machine and build that made the ladder, which
   this script checks by comparing the two warm starts' scores (`quickstart` as the variant re-runs
@@ -15,6 +16,7 @@ eval, in training). The quickstart's figures, against which each seed is paired,
     python eval/variant_seeds.py lora --seeds 0,1,2,3,4        # trains what is missing, then reports
     python eval/variant_seeds.py locked-k1 --seeds 0,1,2,3,4
     python eval/variant_seeds.py inflight-k2 --seeds 0,1,2,3,4
+    python eval/variant_seeds.py inflight-vllm-k2 --against vllm --seeds 0,1,2,3,4
     python eval/variant_seeds.py lora --seeds 0 --work runs/quick   # a quicker look (about 17 min a seed)
 
 Writes `results.json` and `table.md` under `--out` (default eval/ablation/VARIANT).
@@ -46,6 +48,10 @@ VARIANTS = {
     # in flight needs workers of their own: one Ray actor beside the learner
     "inflight-k2": ("recipes/quickstart.yaml", ["rollout.max_staleness=2", "rollout.staleness_mode=inflight",
                                                 "rollout.placement=ray"]),
+    # the quickstart on the vLLM engine: lock-step, and in flight (a worker process of its own beside the learner)
+    "vllm": ("recipes/quickstart.yaml", ["rollout.engine=vllm"]),
+    "inflight-vllm-k2": ("recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.max_staleness=2",
+                                                     "rollout.staleness_mode=inflight", "rollout.placement=processes"]),
 }
 
 
@@ -80,14 +86,17 @@ def main() -> int:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "variant_seeds")
     parser.add_argument("--baseline", choices=("rerun", "ladder"), default="rerun")
+    parser.add_argument("--against", choices=sorted(VARIANTS), default="quickstart",
+                        help="with --baseline rerun: the variant each seed is paired with (default the quickstart)")
     parser.add_argument("--ablation", type=Path, default=REPO / "eval" / "ablation" / "results.json",
                         help="the ladder's results, for full fine-tuning's figures of the same seeds")
     parser.add_argument("--out", type=Path, default=None, help="default eval/ablation/VARIANT")
     args = parser.parse_args()
     out = args.out or REPO / "eval" / "ablation" / args.variant
     seeds = [int(s) for s in args.seeds.split(",")]
-    if args.baseline == "rerun" and args.variant == "quickstart":
-        parser.error("the quickstart against its own rerun is no comparison: use --baseline ladder")
+    if args.baseline == "rerun" and args.variant == args.against:
+        parser.error(f"{args.variant} against its own rerun is no comparison: pick another --against "
+                     "(or --baseline ladder for the quickstart)")
     ladder = json.loads(args.ablation.read_text())["per_seed"] if args.baseline == "ladder" else {}
     missing = [s for s in seeds if args.baseline == "ladder" and str(s) not in ladder]
     if missing:
@@ -99,7 +108,7 @@ def main() -> int:
             sampled = ladder[str(seed)]["_eval"]["sampled"]
             full_before, full_after = statistics.fmean(sampled["warm start"]), statistics.fmean(sampled[FULL_RUNG])
         else:
-            base, _ = variant_seed("quickstart", seed, args.work)
+            base, _ = variant_seed(args.against, seed, args.work)
             full_before, full_after = base["before"]["eval/anytime"], base["after"]["eval/anytime"]
         rows.append({"seed": seed, "variant_before": ev["before"]["eval/anytime"],
                      "variant_after": ev["after"]["eval/anytime"], "full_before": full_before,
@@ -110,11 +119,13 @@ def main() -> int:
         r["paired"] = r["variant_gain"] - r["full_gain"]
     summary = {k: mean_ci([r[k] for r in rows]) for k in ("variant_gain", "full_gain", "paired")}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"variant": args.variant, "baseline": args.baseline,
+    against = args.against if args.baseline == "rerun" else "quickstart (ladder)"
+    (out / "results.json").write_text(json.dumps({"variant": args.variant, "baseline": args.baseline, "against": against,
                                                   "recipe": VARIANTS[args.variant],
                                                   "seeds": seeds, "per_seed": rows, "summary": summary}, indent=1))
     v = args.variant
-    lines = [f"| seed | warm start | {v} after | {v} gain | quickstart after | quickstart gain | {v} − quickstart |",
+    a = args.against if args.baseline == "rerun" else "quickstart"
+    lines = [f"| seed | warm start | {v} after | {v} gain | {a} after | {a} gain | {v} − {a} |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "" if r["same_warm_start"] else " (warm starts differ!)"

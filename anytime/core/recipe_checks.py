@@ -16,11 +16,12 @@ def require(condition: bool, message: str) -> None:
 
 def check_rollout(r: Any) -> None:
     """`rollout`: where workers run, staleness and in-flight updates (r: an `anytime.config.Recipe`)."""
-    apart = r.rollout.placement in ("ray", "processes")   # workers in processes of their own
+    inflight_auto = r.rollout.placement == "auto" and r.rollout.staleness_mode == "inflight"   # auto: processes
+    apart = r.rollout.placement in ("ray", "processes") or inflight_auto   # workers in processes of their own
     require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
             "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
     k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
-        r.rollout.placement == "auto" and r.learner.num_processes > 1)
+        r.rollout.placement == "auto" and r.learner.num_processes > 1 and not inflight_auto)
     require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
     require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
             f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")
@@ -30,7 +31,6 @@ def check_rollout(r: Any) -> None:
             "(or inprocess, which keeps the same samples without the overlap)")
     for ok, need in ((k >= 1, "`rollout.max_staleness` >= 1 (the versions a batch may span)"),
                      (apart, "workers in their own processes: `rollout.placement: ray` or `processes`"),
-                     (r.rollout.engine == "hf", "`rollout.engine: hf` (vLLM's generate call hides its decoding steps)"),
                      (r.rollout.weight_sync != "nccl", "`rollout.weight_sync: object_store` (NCCL is a collective the "
                                                        "generating workers cannot join)"),
                      (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "

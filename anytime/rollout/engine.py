@@ -217,12 +217,13 @@ class RolloutEngine(abc.ABC):
             return
         version, named_tensors = offer
         start = time.perf_counter()
-        self._swap_weights(self._checked_updates(named_tensors))
+        self._swap_weights(self._checked_updates(named_tensors), version)
         self.version, self.swaps = version, self.swaps + 1
         self.swap_seconds += time.perf_counter() - start
 
-    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy checked weights in place mid-generation, keeping every cache."""
+    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy checked weights (of weight `version`) in place mid-generation, keeping the caches of
+        the sequences in flight."""
         raise NotImplementedError(f"{type(self).__name__} cannot take weights between decoding steps")
 
     def _checked_updates(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

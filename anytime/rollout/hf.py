@@ -196,12 +196,12 @@ class HFEngine(RolloutEngine):
     # ---- weights ------------------------------------------------------------------------------
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         self._kept.clear()  # computed with the old weights
-        self._swap_weights(updates)
+        self._swap_weights(updates, self.version)
 
     supports_inflight_updates = True
 
     @torch.no_grad()
-    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]], version: int) -> None:
         # unlike `_load_weights`, the caches stay: the sequences in flight continue over them
         targets = self.model.state_dict(keep_vars=True)
         self._adapter_base.clear()  # full weights are the new base of any later adapter

@@ -83,6 +83,8 @@ class Rollouts(Protocol):
 def resolve_placement(recipe: Recipe, world: int) -> str:
     placement = recipe.rollout.placement
     if placement == "auto":
+        if recipe.rollout.staleness_mode == "inflight":   # in flight needs a worker of its own
+            return "processes"
         return "inprocess" if world == 1 else "colocated"
     return placement
 

@@ -91,20 +91,24 @@ class RolloutWorker:
         if r.rollout.engine == "vllm" and torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = r.rollout.enable_sleep
-        if (r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray"
+        inflight = r.rollout.staleness_mode == "inflight"
+        if (r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray" and not inflight
                 and r.learner.lora.vllm_serves_adapter(torch.cuda.is_available())):
-            # vLLM serves the adapter itself (Ray actors get merged full weights through the object store)
+            # vLLM serves the adapter itself (Ray actors and in-flight swaps take merged full weights)
             kwargs["max_lora_rank"] = r.learner.lora.rank
+        if r.rollout.engine == "vllm" and inflight:
+            # a swap lands between two engine steps: none may leave a batch running (GPU; off on the CPU)
+            kwargs["async_scheduling"] = False
         self.engine = create_engine(r.rollout.engine, model_path, max_model_len=engine_max_len(r, tokenizer),
                                     max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
                                     **kwargs)
         self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
         self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
         self.mailbox: WeightMailbox | None = None
-        if r.rollout.staleness_mode == "inflight":
+        if inflight:
             if not self.engine.supports_inflight_updates:
                 raise ValueError(f"`rollout.staleness_mode: inflight` needs an engine that takes weights between "
-                                 f"decoding steps; the {r.rollout.engine} engine does not: use rollout.engine=hf")
+                                 f"decoding steps; the {r.rollout.engine} engine does not: use rollout.engine=hf or vllm")
             self.mailbox = WeightMailbox()
             self.engine.weight_source = self.mailbox.take
         self._merged_logged = False

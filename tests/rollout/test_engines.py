@@ -527,7 +527,7 @@ def test_vllm_bad_requests_fail_before_generation(vllm_engine):
 def test_vllm_sleep_is_a_logged_noop_on_cpu(vllm_engine, caplog):
     if not vllm_engine.on_cpu:
         pytest.skip("GPU engine: sleep mode is real there")
-    with caplog.at_level(logging.INFO, logger="anytime.rollout.vllm"):
+    with caplog.at_level(logging.INFO, logger="anytime.rollout.vllm.engine"):
         vllm_engine.sleep()
         vllm_engine.wake_up()
     assert sum("no-op" in r.getMessage() for r in caplog.records) == 2

@@ -98,14 +98,18 @@ def test_the_mailbox_hands_over_only_the_newest_version():
 
 @pytest.mark.parametrize("extra, match", [
     (["rollout.placement=ray"], "needs `rollout.max_staleness` >= 1"),
-    (["rollout.max_staleness=2"], "needs workers in their own processes"),
-    (["rollout.max_staleness=2", "rollout.placement=ray", "rollout.engine=vllm"], "needs `rollout.engine: hf`"),
+    (["rollout.max_staleness=2", "rollout.placement=inprocess"], "needs workers in their own processes"),
     (["rollout.max_staleness=2", "rollout.placement=ray", "rollout.weight_sync=nccl"], "NCCL is a collective"),
     (["rollout.max_staleness=2", "rollout.placement=ray", "rollout.worker_restarts=1"], "which inflight does not keep"),
 ])
 def test_recipe_check_refuses_what_cannot_swap_mid_generation(extra, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", *extra])
-    ok = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2",
-                                  "rollout.placement=ray"])
-    assert ok.rollout.staleness_mode == "inflight"
+    from anytime.rollout.placement import resolve_placement
+
+    auto = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"])
+    assert resolve_placement(auto, 1) == "processes"   # auto gives in-flight workers a process of their own
+    for engine in ("hf", "vllm"):
+        ok = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2",
+                                      "rollout.placement=ray", f"rollout.engine={engine}"])
+        assert ok.rollout.staleness_mode == "inflight"

@@ -58,19 +58,23 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 
-def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_batch(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_batch(tmp_path, engine):
     """No token is older than k = 2 steps, and the off-policy correction sees the gap. In flight, a
-    checkpoint holds the batches still in flight, as in locked mode: a run resumed from step 2 trains
-    the very batches (tokens, versions, behaviour log-probs) of steps 3 and 4 that the unbroken run
-    trained, so those steps equal it."""
+    checkpoint holds the batches still in flight, as in locked mode: a run that dies after step 2 and
+    resumes from its checkpoint trains the very batches (tokens, versions, behaviour log-probs) of
+    steps 3 and 4 that the unbroken run trained, so those steps equal it. On either engine (vLLM's
+    versions come from its own per-token spans)."""
     import json
     import shutil
 
     from anytime.learner.checkpoint import load_in_flight
 
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
     extra = ["learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT, "rollout.placement=processes",
-             "trainer.keep_last=5"]
+             "trainer.keep_last=5", f"rollout.engine={engine}"]
     unbroken = train(full, None, *extra)
     unbroken.pop("timed_swaps")
     for step, m in unbroken.items():

@@ -1,4 +1,4 @@
-"""Rollout engine on vLLM: the ONLY module in anytime that imports vllm (always lazily).
+"""Rollout engine on vLLM (see the package docstring for where vLLM is touched).
 
 Summaries share their thinking trace through vLLM's automatic prefix caching, so
 ``generate_branches`` simply submits every ``prefix[:cut] + suffix`` prompt in one batch; only the
@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,8 @@ import torch
 from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
                                     SamplingConfig, check_lengths)
 from anytime.rollout.streaming import AnytimeStream, Request
+from anytime.rollout.vllm.process import RPC_PATH, inside_process_group, launcher_env_hidden, rendezvous_file
+from anytime.rollout.vllm.weights import AnytimeWorkerExtension
 from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
 
 logger = logging.getLogger(__name__)
@@ -41,92 +43,6 @@ _GIB = 1 << 30
 _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no float64)
 
 
-# Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
-# rank of the learner's job.
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT")
-_RPC_PATH = "VLLM_RPC_BASE_PATH"   # where vLLM puts the sockets between this process and its engine core
-
-
-class AnytimeWorkerExtension:
-    """Methods mixed into vLLM's worker (``worker_extension_cls``); they run where the model lives,
-    in this process or in the engine's own process, and are reached by name through ``collective_rpc``."""
-
-    def anytime_load_weights(self, weights: str | list[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named weights: a list of (name, tensor) in-process, or the path of a
-        safetensors file when the engine runs in its own process (RPC arguments cannot carry tensors)."""
-        if isinstance(weights, str):
-            from safetensors.torch import load_file
-
-            weights = list(load_file(weights).items())
-        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
-
-    def anytime_init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join a NCCL group with learner rank 0 (its rank 0) for weight broadcasts (GPU only)."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
-        self._anytime_nccl = PyNcclCommunicator(group, device=self.device)  # type: ignore[attr-defined]
-
-    def anytime_receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
-        """Receive every weight of `layout` (name, shape, dtype) by broadcast from learner rank 0, then load."""
-        weights = []
-        for name, shape, dtype in layout:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)  # type: ignore[attr-defined]
-            self._anytime_nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-            weights.append((name, tensor))
-        torch.cuda.synchronize()
-        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
-
-
-class NcclWeightSender:
-    """Learner rank 0's end of the NCCL weight group with the engines (it is rank 0 of `world_size`).
-    The engines must join (`VLLMEngine.init_weight_group`) while this is constructed."""
-
-    def __init__(self, host: str, port: int, world_size: int) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
-        self.comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
-
-    def send(self, state: dict[str, torch.Tensor]) -> None:
-        """Broadcast every weight, in `state`'s order (the engines receive in the same order)."""
-        for tensor in state.values():
-            self.comm.broadcast(tensor.detach().cuda().contiguous(), src=0, stream=torch.cuda.current_stream())
-        torch.cuda.synchronize()
-
-
-def _inside_process_group() -> bool:
-    from anytime.core.dist import rank_world
-
-    return rank_world()[1] > 1
-
-
-@contextlib.contextmanager
-def _launcher_env_hidden(ipc_dir: str | None = None) -> Iterator[None]:
-    """Hide torchrun's variables from a child process started inside the block, and point vLLM's
-    inter-process sockets and the child's temporary files (vLLM's rendezvous file, multiprocessing
-    folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them."""
-    pointed = {_RPC_PATH: ipc_dir, "TMPDIR": ipc_dir} if ipc_dir is not None else {}
-    saved = {k: os.environ.pop(k) for k in (*_LAUNCHER_ENV, *pointed) if k in os.environ}
-    os.environ.update(pointed)   # this process's own temporary folder is already fixed (tempfile caches it)
-    try:
-        yield
-    finally:
-        for k in pointed:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
-
-
-def _rendezvous_file(llm: Any) -> str | None:
-    """The file store of an in-process engine's process group (`file://...` in /tmp), which vLLM's
-    own teardown leaves behind."""
-    with contextlib.suppress(Exception):
-        method = str(llm.collective_rpc(lambda worker: worker.distributed_init_method)[0])
-        return method.removeprefix("file://") if method.startswith("file://") else None
-    return None
 
 
 def _served_rank(rank: int) -> int:
@@ -185,7 +101,7 @@ class VLLMEngine(RolloutEngine):
 
         # In-process by default: weight sync hands tensors to the worker without copying them, and no
         # engine process can be left spinning.
-        self.own_process = _inside_process_group() if own_process is None else own_process
+        self.own_process = inside_process_group() if own_process is None else own_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.own_process else "0"
         if self.own_process:
             # fork() of a process that runs gloo/OpenMP threads can deadlock the child
@@ -230,7 +146,7 @@ class VLLMEngine(RolloutEngine):
             enable_prefix_caching=True,
             logprobs_mode="raw_logprobs",
             generation_config="vllm",  # sampling comes only from SamplingConfig, not the checkpoint
-            worker_extension_cls=f"{__name__}.{AnytimeWorkerExtension.__name__}",
+            worker_extension_cls=f"{AnytimeWorkerExtension.__module__}.{AnytimeWorkerExtension.__name__}",
         )
         if self.on_cpu:
             kwargs.update(
@@ -253,9 +169,9 @@ class VLLMEngine(RolloutEngine):
         # an engine core in its own process talks over sockets; ours go in a folder of their own,
         # deleted on close (or by the watchdog), unless the user chose where (VLLM_RPC_BASE_PATH)
         self._ipc_dir = (tempfile.mkdtemp(prefix=f"anytime-vllm-{os.getpid()}-")
-                         if self.own_process and _RPC_PATH not in os.environ else None)
+                         if self.own_process and RPC_PATH not in os.environ else None)
         try:
-            with _launcher_env_hidden(self._ipc_dir):
+            with launcher_env_hidden(self._ipc_dir):
                 self._llm = LLM(**kwargs)
         except Exception as e:
             if self._ipc_dir is not None:
@@ -265,6 +181,7 @@ class VLLMEngine(RolloutEngine):
             watch(children() - before, owner_files=weight_file_globs(os.getpid()),
                   owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
         self.stream_summaries = stream_summaries
+        self._llm.update_weight_version(str(self.version))   # tokens carry integer versions from the start
         self._request_ids = itertools.count()
         self._closed = False
         self.accepts_adapters = bool(max_lora_rank)
@@ -323,7 +240,11 @@ class VLLMEngine(RolloutEngine):
             if not samples:
                 return
             try:
-                inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=r.prompt) for r, _ in samples])
+                # the salt keys the prefix cache by weight version: after an in-flight swap, new
+                # requests never reuse blocks computed by older weights (the traces that hold them do)
+                salt = f"anytime-weights-v{self.version}"
+                inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=r.prompt, cache_salt=salt)
+                                                      for r, _ in samples])
                 for (r, a), rendered in zip(samples, inputs):
                     rid = f"anytime-{next(self._request_ids)}"
                     engine.add_request(rid, rendered,
@@ -334,16 +255,18 @@ class VLLMEngine(RolloutEngine):
                 raise EngineError(f"vLLM refused a request: {type(e).__name__}: {e}") from e
 
         try:
+            self.poll_weights()   # in flight: prefill with the newest weights, then take each between two steps
             add(requests)
             while pending:
                 try:
+                    self.poll_weights()
                     outputs = engine.step()
                 except Exception as e:
                     raise EngineError(f"vLLM generation failed: {type(e).__name__}: {e}") from e
                 for out in outputs:
                     if out.finished:
                         request, sample = pending.pop(out.request_id)
-                        add(finished(request, sample, self._completion(out)))
+                        add(finished(request, sample, self._completion(out, self.weight_source is not None)))
         except BaseException:
             if pending:
                 with contextlib.suppress(Exception):  # the original error matters, not this one
@@ -351,13 +274,16 @@ class VLLMEngine(RolloutEngine):
             raise
 
     @staticmethod
-    def _completion(request_output: Any) -> Completion:
+    def _completion(request_output: Any, stamped: bool) -> Completion:
+        """One finished sample; `stamped`: each token's weight version from vLLM's spans (in flight)."""
         (o,) = request_output.outputs
         if o.finish_reason not in ("stop", "length"):
             raise EngineError(f"vLLM request finished with {o.finish_reason!r} (stop reason {o.stop_reason!r})")
         ids = list(o.token_ids)
         logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
-        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=o.finish_reason)
+        versions = [int(span.version) for span in o.weight_versions or () for _ in range(span.start, span.end)]
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=o.finish_reason,
+                          versions=versions if stamped else [])
 
     def _run(self, prompts: list[list[int]], params: SamplingConfig) -> list[list[Completion]]:
         seeds = params.seeds_for(len(prompts)) or [None] * len(prompts)
@@ -394,6 +320,27 @@ class VLLMEngine(RolloutEngine):
         return stream.result()
 
     # ---- weights and memory -------------------------------------------------------------------
+    supports_inflight_updates = True
+
+    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """An in-flight swap through vLLM's RL interface, between two engine steps: pause with every
+        request kept (and its KV blocks: traces continue over keys/values of the old weights, as in
+        PipelineRL), load, label the tokens that follow with `version` (vLLM's per-token
+        `weight_versions`), resume. The prefix cache stays; new requests get a new cache salt."""
+        payload = write_weights(updates) if self.own_process else updates
+        try:
+            self._llm.sleep(level=0, mode="keep")   # level 0 = pause the scheduler only
+            try:
+                self._llm.collective_rpc("anytime_load_weights", args=(payload,))
+                self._llm.update_weight_version(str(version))
+            finally:
+                self._llm.wake_up(tags=["scheduling"])
+        except Exception as e:
+            raise EngineError(f"vLLM in-flight weight swap failed: {type(e).__name__}: {e}") from e
+        finally:
+            if isinstance(payload, str):
+                os.unlink(payload)
+
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the running engine and drop the prefix cache (its KV blocks came from the old weights)."""
         payload = write_weights(updates) if self.own_process else updates
@@ -477,7 +424,7 @@ class VLLMEngine(RolloutEngine):
         if self._lora_folder is not None:
             shutil.rmtree(self._lora_folder, ignore_errors=True)
         llm, self._llm = self._llm, None
-        rendezvous = None if self.own_process else _rendezvous_file(llm)
+        rendezvous = None if self.own_process else rendezvous_file(llm)
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # shutting down must not mask the caller's own error

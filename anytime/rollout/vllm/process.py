@@ -1,0 +1,46 @@
+"""Where a vLLM engine runs: in this process, or in a process of its own with the launcher's variables
+hidden and its sockets and temporary files in a folder the watchdog deletes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+# Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
+# rank of the learner's job.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT")
+RPC_PATH = "VLLM_RPC_BASE_PATH"   # where vLLM puts the sockets between this process and its engine core
+
+
+def inside_process_group() -> bool:
+    from anytime.core.dist import rank_world
+
+    return rank_world()[1] > 1
+
+
+@contextlib.contextmanager
+def launcher_env_hidden(ipc_dir: str | None = None) -> Iterator[None]:
+    """Hide torchrun's variables from a child process started inside the block, and point vLLM's
+    inter-process sockets and the child's temporary files (vLLM's rendezvous file, multiprocessing
+    folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them."""
+    pointed = {RPC_PATH: ipc_dir, "TMPDIR": ipc_dir} if ipc_dir is not None else {}
+    saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, *pointed) if k in os.environ}
+    os.environ.update(pointed)   # this process's own temporary folder is already fixed (tempfile caches it)
+    try:
+        yield
+    finally:
+        for k in pointed:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+def rendezvous_file(llm: Any) -> str | None:
+    """The file store of an in-process engine's process group (`file://...` in /tmp), which vLLM's
+    own teardown leaves behind."""
+    with contextlib.suppress(Exception):
+        method = str(llm.collective_rpc(lambda worker: worker.distributed_init_method)[0])
+        return method.removeprefix("file://") if method.startswith("file://") else None
+    return None

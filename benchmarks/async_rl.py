@@ -10,6 +10,8 @@ Four runs of `anytime train` (same model, recipe and steps):
     learner updates);
   - inflight_k2_split: the same split with `rollout.staleness_mode: inflight`, `max_staleness: 2` (the
     actor takes each new version between two decoding steps).
+`--engine vllm` runs all four on the vLLM engine instead of transformers (in flight, vLLM pauses with
+its requests kept, loads, relabels the weight version and resumes between two engine steps).
 The simulator (`anytime.trainer.timeline`) is calibrated on the lock-step split run's measured phases
 (rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
 think length, one core = one device, then predicts all three (so its lock-step split figure checks only
@@ -18,11 +20,12 @@ the calibration and the overheads it leaves out).
 Prints ``name: value`` lines: each run's mean step time (`time/step`, the first `--skip` steps left
 out) and the simulator's prediction beside it, `async_over_sync_step_time` (locked k=1 over today's
 lock-step; goal <= 0.75), `inflight_over_sync_step_time` (in-flight k=2 over it), the in-flight run's
-staleness metrics, and `sim_error` / `sim_error_inflight` (|predicted - measured| / measured for locked
-k=1 and in-flight k=2).
+staleness metrics, `swap_pause_s` (the in-flight run's mean seconds from pausing generation for a new
+version to resuming it), and `sim_error` / `sim_error_inflight` (|predicted - measured| / measured for
+locked k=1 and in-flight k=2).
 
 Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
-                                    [--prompts 8]
+                                    [--prompts 8] [--engine hf|vllm]
   --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
   a few minutes on 2 cores), whose traces mostly end before the largest budget;
   --model: an already warm-started model (e.g. runs/quickstart/sft_model);
@@ -121,6 +124,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (start-up)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine of all four runs")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -128,7 +132,7 @@ def main() -> int:
     from anytime.config import load_recipe
 
     shape = ([f"rollout.prompts_per_step={args.prompts}", f"learner.mini_batch_prompts={args.prompts}"]
-             if args.prompts else [])
+             if args.prompts else []) + [f"rollout.engine={args.engine}"]
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", shape)
     work = Path(tempfile.mkdtemp(prefix="async-rl-"))
     model = args.model
@@ -175,6 +179,9 @@ def main() -> int:
         for key in ("rollout/token_version_lag", "rollout/token_version_lag_max", "rollout/mixed_version_traces",
                     "rollout/weight_swaps", "time/weight_swap"):
             print(f"inflight_k2_{key.split('/')[1]}: {mean(inflight, key):.4f}")
+        swaps = sum(r.get("rollout/weight_swaps", 0.0) for r in inflight)
+        if swaps:
+            print(f"swap_pause_s: {sum(r.get('time/weight_swap', 0.0) for r in inflight) / swaps:.4f}")
         print(f"async_over_sync_step_time: {step['locked_k1_split'] / step['lockstep_both_cores']:.3f}")
         print(f"inflight_over_sync_step_time: {step['inflight_k2_split'] / step['lockstep_both_cores']:.3f}")
         print(f"async_over_split_sync_step_time: {step['locked_k1_split'] / step['lockstep_split']:.3f}")

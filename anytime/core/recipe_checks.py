@@ -36,6 +36,9 @@ def check_rollout(r: Any) -> None:
                      (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
                                                       "weights a rollout started from, which inflight does not keep)")):
         require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
+    require(r.rollout.logprobs == "raw" or r.learner.pipeline.stages == 1,
+            "`rollout.logprobs: processed` is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
+            "set rollout.logprobs=raw or learner.pipeline.stages=1")
     require(not apart or r.rollout.workers <= r.rollout.prompts_per_step,
             f"`rollout.workers` ({r.rollout.workers}) exceeds `rollout.prompts_per_step` "
             f"({r.rollout.prompts_per_step}): every worker needs a prompt")

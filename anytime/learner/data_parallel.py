@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, head_chunks, selected_logprobs
+from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, SamplingProcessing, head_chunks, selected_logprobs
 from anytime.algo.loss import LossSpec, token_loss
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import any_across_ranks, is_main, max_across_ranks, rank_world, sum_gradients
@@ -34,22 +34,28 @@ if TYPE_CHECKING:
 
 def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, select: torch.Tensor | None = None, *,
                      with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                     chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunks: int | None = None, processing: SamplingProcessing | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Target-aligned log-probs (and entropies) of a batch's rows, [R, T-1], at the columns
     `select` (default: every column inside a row; 0 elsewhere); `chunks`: LM-head calls (see
-    `selected_logprobs`)."""
+    `selected_logprobs`); `processing`: the engine's sampling processing (None: raw log-probs)."""
     check_plain_head(model)
     dtype = next(model.parameters()).dtype
     inputs = attention_inputs(batch.input_ids, batch.lengths, batch.skip_start, batch.skip_end, model.config, dtype)
     hidden = model.get_decoder()(input_ids=batch.input_ids, use_cache=False, **inputs).last_hidden_state
     select = batch.valid_mask if select is None else select
+    per_token = None if processing is None else processing.per_token(batch.thinking_mask, batch.summary_mask)
     return selected_logprobs(hidden[:, :-1], model.get_output_embeddings(), batch.labels, select,
-                             chunk_tokens=chunk_tokens, with_entropy=with_entropy, chunks=chunks)
+                             chunk_tokens=chunk_tokens, with_entropy=with_entropy, chunks=chunks,
+                             processing=per_token)
 
 
 class DataParallelLearner:
     """The micro-batch loop shared by the torch and DeepSpeed learners; subclasses say how a loss
     is backpropagated (`_backward`) and how a step is taken."""
+
+    # `rollout.logprobs: processed`: log-probs under the engine's temperature and top-p (set by the factory)
+    processing: SamplingProcessing | None = None
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, ref_model: torch.nn.Module | None = None,
                  peft_model: Any = None):
@@ -82,7 +88,8 @@ class DataParallelLearner:
         chosen = mb.valid_mask if select is None else select
         chunks = max_across_ranks(head_chunks(int(chosen.sum()), chunk))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks)
+            return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks,
+                                    processing=self.processing)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

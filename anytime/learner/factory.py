@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from anytime.algo.logprobs import SamplingProcessing
 from anytime.defaults import torch_dtype
 from anytime.components import LEARNERS, PIPELINE_LEARNERS
 from anytime.learner.base import Learner
@@ -20,10 +21,27 @@ def learner_class(pipelined: bool, backend: str) -> type:
     return (PIPELINE_LEARNERS if pipelined else LEARNERS).get(backend)
 
 
+def sampling_processing(recipe: Recipe) -> SamplingProcessing | None:
+    """What the learner applies to its logits so its log-probs are the engine's (`rollout.logprobs`):
+    the rollout's temperature and top-p (processed), or nothing (raw)."""
+    if recipe.rollout.logprobs == "raw":
+        return None
+    r = recipe.rollout
+    return SamplingProcessing(r.temperature, r.top_p, recipe.summary.temperature, r.top_p)
+
+
 def build_learner(recipe: Recipe, model_path: str) -> Learner:
     """The learner a recipe asks for, on this process's device. Pipelined learners build their
     stages from the model path; the data-parallel ones take a loaded model (and the reference
     model, when the KL term needs one)."""
+    learner = _build(recipe, model_path)
+    processing = sampling_processing(recipe)
+    if processing is not None:   # the recipe check refuses it for pipelined learners
+        learner.processing = processing   # type: ignore[attr-defined]
+    return learner
+
+
+def _build(recipe: Recipe, model_path: str) -> Learner:
     lc = recipe.learner
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch_dtype(recipe.model.dtype)

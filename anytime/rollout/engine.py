@@ -75,9 +75,10 @@ class SamplingConfig:
 class Completion:
     """One sampled continuation.
 
-    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the RAW model distribution
-    (log_softmax of the logits before temperature / top-p), i.e. the quantity PPO needs as the
-    behaviour-policy log-prob; it matches vLLM's ``raw_logprobs`` mode.
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]``: by default under the RAW model
+    distribution (log_softmax of the logits before temperature / top-p; vLLM's ``raw_logprobs``), or,
+    from an engine built with ``logprobs="processed"``, under the distribution it was sampled from
+    (after temperature and top-p; vLLM's ``processed_logprobs``). Greedy samples always carry raw ones.
     """
 
     token_ids: list[int]
@@ -336,6 +337,15 @@ def planned(plan: PlanFn, k: int, trace: Completion, expected: int | None) -> li
                          "generate_anytime needs the same number of branches for every trace (their seeds "
                          "are numbered trace · branches + branch)")
     return branches
+
+
+LOGPROBS_MODES = ("raw", "processed")   # what `Completion.logprobs` holds (see there)
+
+
+def check_logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs={mode!r}: use one of {LOGPROBS_MODES}")
+    return mode
 
 
 def check_lengths(max_model_len: int, max_prompt_len: int | None, model_max_positions: int | None) -> None:

@@ -26,7 +26,8 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from anytime.defaults import DTYPES, torch_dtype
-from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig, check_lengths
+from anytime.rollout.engine import (Branch, Completion, RolloutEngine, SamplingConfig, check_lengths,
+                                    check_logprobs_mode)
 from anytime.rollout.seeding import sample_seeds, uniforms
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class HFEngine(RolloutEngine):
             ``generate``, ``update_weights`` or ``close``.
         max_batch_rows: most sequences decoded at once; bigger requests run in consecutive chunks.
         attn_implementation: passed to ``from_pretrained`` ("sdpa" or "eager").
+        logprobs: "raw" or "processed" (see `Completion`).
     """
 
     def __init__(
@@ -163,9 +165,11 @@ class HFEngine(RolloutEngine):
         keep_generate_kv: bool = True,
         max_batch_rows: int = 512,
         attn_implementation: str = "sdpa",
+        logprobs: str = "raw",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.processed_logprobs = check_logprobs_mode(logprobs) == "processed"
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported by the hf engine; use one of {DTYPES.names()}")
         if max_batch_rows < 1:
@@ -402,10 +406,10 @@ class HFEngine(RolloutEngine):
         return _Batch(batch.cache, batch.mask[index], batch.positions[index], batch.logits[index])
 
     def _sample(self, logits: torch.Tensor, params: SamplingConfig, rng: np.ndarray | torch.Generator, step: int):
-        """Pick next tokens; return (tokens, raw logprobs of those tokens). With per-row streams each
-        row inverts its own CDF at its stream's uniform for this token position."""
+        """Pick next tokens; return (tokens, their raw or processed logprobs). With per-row streams
+        each row inverts its own CDF at its stream's uniform for this token position."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
         if params.greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -421,7 +425,9 @@ class HFEngine(RolloutEngine):
                 cdf = probs.double().cumsum(-1)
                 u = torch.from_numpy(uniforms(rng, step)).to(cdf.device)[:, None] * cdf[:, -1:]
                 tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
-        return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+            if self.processed_logprobs:
+                logprobs = torch.log_softmax(scores, dim=-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _keep_rows(
         self, batch: _Batch, rows: list[int], live: list[int], token_ids: list[list[int]], retain: _Retain

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
-                                    SamplingConfig, check_lengths)
+                                    SamplingConfig, check_lengths, check_logprobs_mode)
 from anytime.rollout.streaming import AnytimeStream, Request
 from anytime.rollout.vllm.process import RPC_PATH, inside_process_group, launcher_env_hidden, rendezvous_file
 from anytime.rollout.vllm.weights import AnytimeWorkerExtension
@@ -71,6 +71,7 @@ class VLLMEngine(RolloutEngine):
             learner (see the module docstring).
         stream_summaries: ``generate_anytime`` queues a trace's summaries the moment it ends (default);
             False runs the two phases one after the other (same samples; for comparisons).
+        logprobs: "raw" or "processed" (vLLM's `raw_logprobs` / `processed_logprobs`; see `Completion`).
         llm_kwargs: passed to ``vllm.LLM`` unchanged.
     """
 
@@ -90,6 +91,7 @@ class VLLMEngine(RolloutEngine):
         own_process: bool | None = None,
         stream_summaries: bool = True,
         max_lora_rank: int | None = None,
+        logprobs: str = "raw",
         **llm_kwargs: Any,
     ) -> None:
         from transformers import AutoConfig
@@ -144,7 +146,7 @@ class VLLMEngine(RolloutEngine):
             seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
-            logprobs_mode="raw_logprobs",
+            logprobs_mode=f"{check_logprobs_mode(logprobs)}_logprobs",   # see `Completion`
             generation_config="vllm",  # sampling comes only from SamplingConfig, not the checkpoint
             worker_extension_cls=f"{AnytimeWorkerExtension.__module__}.{AnytimeWorkerExtension.__name__}",
         )
@@ -217,7 +219,7 @@ class VLLMEngine(RolloutEngine):
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # stop only on stop_token_ids, exactly like the hf engine
-            logprobs=0,  # just the sampled token's logprob (raw, see logprobs_mode)
+            logprobs=0,  # just the sampled token's logprob (raw or processed, see logprobs_mode)
             detokenize=False,
             seed=seed,
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step copies of the growing outputs

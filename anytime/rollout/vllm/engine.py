@@ -14,6 +14,9 @@ then travel to it as a safetensors file in RAM (/dev/shm), several times faster 
 bytes through the RPC. Both paths load weights through the same worker method
 (:class:`AnytimeWorkerExtension`), and both seed each request on its own, so a seeded call samples
 the same tokens in either layout.
+In flight (`rollout.staleness_mode: inflight`) the step loop takes each new weight version between two
+engine steps through vLLM's RL interface (pause with requests kept, load, `update_weight_version`,
+resume) and reads every token's version from vLLM's `weight_versions` spans (docs/async.md).
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no float64)
-
-
 
 
 def _served_rank(rank: int) -> int:

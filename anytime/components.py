@@ -11,7 +11,7 @@ from anytime.registry import Registry
 
 ENGINES = Registry("rollout.engine", {
     "hf": "anytime.rollout.hf:HFEngine",
-    "vllm": "anytime.rollout.vllm:VLLMEngine",
+    "vllm": "anytime.rollout.vllm:vllm_engine",
 }, doc="the generator of thinking traces and summaries")
 
 PLACEMENTS = Registry("rollout.placement", {

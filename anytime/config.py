@@ -79,6 +79,9 @@ class RolloutConfig:
     logprobs: Literal["raw", "processed"] = opt(
         "raw", "behaviour log-probs the engine returns and the learner computes: raw = of the model's own "
                "distribution; processed = of the one sampled from (after temperature and top-p), on both sides")
+    vllm_frontend: Literal["llm", "async"] = opt(
+        "llm", "vLLM engine: llm = vLLM's offline LLM stepped by anytime (in this process, weights by reference); "
+               "async = vLLM's AsyncLLM (engine core in a process of its own; in flight, swaps pause it at any time)")
     max_model_len: int | None = opt(None, "engine context; null = longest prompt + thinking + inserted + summary")
     gpu_memory_utilization: float = opt(0.6, "vLLM on a GPU: share of the GPU memory the engine may take")
     enable_sleep: bool = opt(False, "GPU: the engine sleeps during the learner update and wakes for the weight sync")

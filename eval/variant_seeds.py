@@ -17,6 +17,7 @@ eval, in training). The quickstart's figures, against which each seed is paired,
     python eval/variant_seeds.py locked-k1 --seeds 0,1,2,3,4
     python eval/variant_seeds.py inflight-k2 --seeds 0,1,2,3,4
     python eval/variant_seeds.py inflight-vllm-k2 --against vllm --seeds 0,1,2,3,4
+    python eval/variant_seeds.py inflight-vllm-async-k2 --against vllm --seeds 0,1,2,3,4
     python eval/variant_seeds.py lora --seeds 0 --work runs/quick   # a quicker look (about 17 min a seed)
 
 Writes `results.json` and `table.md` under `--out` (default eval/ablation/VARIANT).
@@ -52,6 +53,10 @@ VARIANTS = {
     "vllm": ("recipes/quickstart.yaml", ["rollout.engine=vllm"]),
     "inflight-vllm-k2": ("recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.max_staleness=2",
                                                      "rollout.staleness_mode=inflight", "rollout.placement=processes"]),
+    # the same on vLLM's AsyncLLM frontend: swaps pause the running engine core wherever it is
+    "inflight-vllm-async-k2": ("recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.vllm_frontend=async",
+                                                           "rollout.max_staleness=2", "rollout.staleness_mode=inflight",
+                                                           "rollout.placement=processes"]),
 }
 
 

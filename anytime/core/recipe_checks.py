@@ -36,6 +36,9 @@ def check_rollout(r: Any) -> None:
                      (r.rollout.worker_restarts == 0, "`rollout.worker_restarts: 0` (a restart regenerates with the "
                                                       "weights a rollout started from, which inflight does not keep)")):
         require(ok or r.rollout.staleness_mode == "locked", f"`rollout.staleness_mode: inflight` needs {need}")
+    require(r.rollout.vllm_frontend == "llm" or r.rollout.engine == "vllm",
+            f"`rollout.vllm_frontend: {r.rollout.vllm_frontend}` chooses how the vllm engine is driven; this recipe's "
+            f"engine is {r.rollout.engine}: set rollout.engine=vllm or drop rollout.vllm_frontend")
     require(r.rollout.logprobs == "raw" or r.learner.pipeline.stages == 1,
             "`rollout.logprobs: processed` is not supported by the pipelined learner (`learner.pipeline.stages` > 1): "
             "set rollout.logprobs=raw or learner.pipeline.stages=1")

@@ -88,6 +88,8 @@ class RolloutWorker:
         self.recipe, self.tokenizer, self.pad_id = recipe, tokenizer, pad_id
         self.probs = r.budget.prior_probs()
         kwargs: dict[str, Any] = {"logprobs": r.rollout.logprobs}
+        if r.rollout.engine == "vllm":
+            kwargs["frontend"] = r.rollout.vllm_frontend
         if r.rollout.engine == "vllm" and torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = r.rollout.enable_sleep

@@ -113,3 +113,18 @@ def test_recipe_check_refuses_what_cannot_swap_mid_generation(extra, match):
         ok = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2",
                                       "rollout.placement=ray", f"rollout.engine={engine}"])
         assert ok.rollout.staleness_mode == "inflight"
+
+
+def test_the_vllm_frontend_is_a_vllm_setting():
+    """`rollout.vllm_frontend` picks how the vllm engine is driven; with another engine it is refused by
+    name, and an unknown frontend lists the two."""
+    ok = load_recipe(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm_frontend=async"])
+    assert ok.rollout.vllm_frontend == "async"
+    with pytest.raises(RecipeError, match="set rollout.engine=vllm or drop rollout.vllm_frontend"):
+        load_recipe(QUICKSTART, ["rollout.engine=hf", "rollout.vllm_frontend=async"])
+    with pytest.raises(RecipeError, match="async"):
+        load_recipe(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm_frontend=asyncllm"])
+    from anytime.rollout.vllm import vllm_engine
+
+    with pytest.raises(ValueError, match="one of"):
+        vllm_engine("unused", frontend="offline")

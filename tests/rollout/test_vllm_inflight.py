@@ -2,7 +2,9 @@
 vLLM's RL interface (pause with requests kept, load, `update_weight_version`, resume); every token's
 version comes from vLLM's own `weight_versions` spans; sequences in flight continue over the keys and
 values cached under the old weights, exactly as the transformers engine does; and a request that enters
-after a swap never reuses a prefix block the old weights computed."""
+after a swap never reuses a prefix block the old weights computed. On vLLM's `AsyncLLM` frontend the
+swap lands wherever the running engine is when the weights arrive (`pause_generation`/`resume_generation`),
+and the same holds there."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from anytime.rollout.engine import SamplingConfig, create_engine
+from anytime.rollout.engine import Completion, SamplingConfig, create_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -99,13 +101,14 @@ def test_traces_in_flight_keep_their_old_kv_as_the_transformers_engine_does(vllm
     assert abs(float(recomputed) - vllm_out.logprobs[SWAP_AT]) > 1e-2
 
 
-def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir):
+@pytest.mark.parametrize("frontend", ["llm", "async"])
+def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir, frontend):
     """The old weights cache LONG's blocks (a finished request's blocks stay in the prefix cache); after
     an in-flight swap the same prompt must be computed afresh: its log-probs equal a fresh engine's
     loaded with the new weights."""
     weights = perturbed(vllm_dir, scale=0.3)
     greedy = SamplingConfig(max_new_tokens=6, temperature=0)
-    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as eng:
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend=frontend) as eng:
         eng.generate([LONG], greedy)   # LONG's blocks now cached under version 0
         eng.weight_source = swap_on_poll(1, 1, weights)   # taken before the next request enters
         after = eng.generate([LONG], greedy)[0][0]
@@ -116,3 +119,40 @@ def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir
     assert after.versions == [1] * 6
     assert after.token_ids == expected.token_ids
     assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+
+def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm_dir):
+    """On `AsyncLLM` the weights are taken while the engine core runs on its own: the swap lands
+    between two of its steps, wherever it is then. Wherever that is (read from vLLM's spans: the
+    first `s` tokens are version 0, the rest version 1), the trace equals the transformers engine's
+    with the swap after the same `s` tokens: the new weights continue over the old weights' KV. The
+    offer comes sooner or later on each try, so that at least one lands strictly inside the trace."""
+    weights = perturbed(vllm_dir, scale=0.3)
+    greedy = SamplingConfig(max_new_tokens=40, temperature=0)
+    landed: list[tuple[int, Completion]] = []
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend="async") as eng:
+        start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout
+        for version, at in enumerate((5, 3, 8, 2), start=1):   # polls come every few milliseconds
+            eng.weight_source = swap_on_poll(at, version, weights if version % 2 else original(vllm_dir))
+            out = eng.generate([LONG], greedy)[0][0]
+            s = out.versions.count(version - 1)
+            assert out.versions == [version - 1] * s + [version] * (40 - s)   # one swap, between two tokens
+            assert eng.version == version
+            if version % 2 and 0 < s < 40:
+                landed.append((s, out))
+            if len(landed) == 2:
+                break
+    assert landed, "no swap landed inside a trace: the engine finished before every offer"
+    for s, out in landed:
+        assert out.token_ids[:s] == start.token_ids[:s]
+        with create_engine("hf", vllm_dir, max_model_len=MAX_LEN) as hf:
+            hf.weight_source = swap_on_poll(s + 1, 1, weights)   # hf: the prefill polls once, then each step
+            expected = hf.generate([LONG], greedy)[0][0]
+        assert expected.versions == [0] * s + [1] * (40 - s)
+        assert out.token_ids == expected.token_ids
+        assert out.logprobs == pytest.approx(expected.logprobs, abs=2e-3)
+
+
+def original(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    names = {n for n, _ in perturbed(model_dir)}
+    return [(n, t) for n, t in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items() if n in names]

@@ -58,23 +58,25 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
+                                    pytest.param("vllm-async", marks=pytest.mark.vllm)])
 def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_batch(tmp_path, engine):
     """No token is older than k = 2 steps, and the off-policy correction sees the gap. In flight, a
     checkpoint holds the batches still in flight, as in locked mode: a run that dies after step 2 and
     resumes from its checkpoint trains the very batches (tokens, versions, behaviour log-probs) of
     steps 3 and 4 that the unbroken run trained, so those steps equal it. On either engine (vLLM's
-    versions come from its own per-token spans)."""
+    versions come from its own per-token spans), on either of its frontends (`vllm-async`: AsyncLLM)."""
     import json
     import shutil
 
     from anytime.learner.checkpoint import load_in_flight
 
-    if engine == "vllm":
+    if engine.startswith("vllm"):
         pytest.importorskip("vllm")
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
     extra = ["learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT, "rollout.placement=processes",
-             "trainer.keep_last=5", f"rollout.engine={engine}"]
+             "trainer.keep_last=5", "rollout.engine=" + engine.removesuffix("-async"),
+             f"rollout.vllm_frontend={'async' if engine.endswith('-async') else 'llm'}"]
     unbroken = train(full, None, *extra)
     unbroken.pop("timed_swaps")
     for step, m in unbroken.items():

@@ -104,7 +104,10 @@ class VLLMEngine(RolloutEngine):
 
         # In-process by default: weight sync hands tensors to the worker without copying them, and no
         # engine process can be left spinning.
-        self.own_process = inside_process_group() if own_process is None else own_process
+        self.own_process = (self.frontend_owns_process or inside_process_group()) if own_process is None else own_process
+        if self.frontend_owns_process and not self.own_process:
+            raise ValueError(f"{type(self).__name__} always runs vLLM's engine core in a process of its own: "
+                             "drop own_process=False, or use the llm frontend")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.own_process else "0"
         if self.own_process:
             # fork() of a process that runs gloo/OpenMP threads can deadlock the child
@@ -113,7 +116,7 @@ class VLLMEngine(RolloutEngine):
         if cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
         try:
-            from vllm import LLM, envs
+            from vllm import envs
             from vllm.platforms import current_platform
         except ModuleNotFoundError as e:
             raise ImportError(
@@ -175,7 +178,7 @@ class VLLMEngine(RolloutEngine):
                          if self.own_process and RPC_PATH not in os.environ else None)
         try:
             with launcher_env_hidden(self._ipc_dir):
-                self._llm = LLM(**kwargs)
+                self._llm = self._start(kwargs)
         except Exception as e:
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -184,7 +187,8 @@ class VLLMEngine(RolloutEngine):
             watch(children() - before, owner_files=weight_file_globs(os.getpid()),
                   owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
         self.stream_summaries = stream_summaries
-        self._llm.update_weight_version(str(self.version))   # tokens carry integer versions from the start
+        self._cache_version = self.version   # the version in new requests' cache salt (see `_serve`)
+        self._api("update_weight_version", str(self.version))   # tokens carry integer versions from the start
         self._request_ids = itertools.count()
         self._closed = False
         self.accepts_adapters = bool(max_lora_rank)
@@ -194,6 +198,29 @@ class VLLMEngine(RolloutEngine):
         self._lora: Any = None
         self._lora_folder: str | None = None
         self._lora_ids = itertools.count(1)
+
+    # ---- the frontend: vLLM's offline `LLM`, stepped by `_serve` (AsyncVLLMEngine overrides these) ----
+    frontend_owns_process = False   # whether the frontend always puts the engine core in a process of its own
+
+    def _start(self, kwargs: dict[str, Any]) -> Any:
+        from vllm import LLM
+
+        return LLM(**kwargs)
+
+    def _api(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call one of the frontend's control methods (collective_rpc, sleep, update_weight_version...)."""
+        return getattr(self._llm, method)(*args, **kwargs)
+
+    def _lora_api(self, method: str, *args: Any) -> Any:
+        return getattr(self._llm.llm_engine, method)(*args)
+
+    def _cache_salt(self) -> str:
+        # the salt keys the prefix cache by weight version: after an in-flight swap, new requests
+        # never reuse blocks computed by older weights (the traces that hold them do)
+        return f"anytime-weights-v{self._cache_version}"
+
+    def _shutdown(self, llm: Any) -> None:
+        llm.llm_engine.engine_core.shutdown()
 
     @staticmethod
     def _expected_weights(config: Any) -> dict[str, tuple[int, ...]]:
@@ -243,9 +270,7 @@ class VLLMEngine(RolloutEngine):
             if not samples:
                 return
             try:
-                # the salt keys the prefix cache by weight version: after an in-flight swap, new
-                # requests never reuse blocks computed by older weights (the traces that hold them do)
-                salt = f"anytime-weights-v{self.version}"
+                salt = self._cache_salt()
                 inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=r.prompt, cache_salt=salt)
                                                       for r, _ in samples])
                 for (r, a), rendered in zip(samples, inputs):
@@ -332,12 +357,13 @@ class VLLMEngine(RolloutEngine):
         `weight_versions`), resume. The prefix cache stays; new requests get a new cache salt."""
         payload = write_weights(updates) if self.own_process else updates
         try:
-            self._llm.sleep(level=0, mode="keep")   # level 0 = pause the scheduler only
+            self._api("sleep", level=0, mode="keep")   # level 0 = pause the scheduler only
             try:
-                self._llm.collective_rpc("anytime_load_weights", args=(payload,))
-                self._llm.update_weight_version(str(version))
+                self._api("collective_rpc", "anytime_load_weights", args=(payload,))
+                self._api("update_weight_version", str(version))
+                self._cache_version = version
             finally:
-                self._llm.wake_up(tags=["scheduling"])
+                self._api("wake_up", tags=["scheduling"])
         except Exception as e:
             raise EngineError(f"vLLM in-flight weight swap failed: {type(e).__name__}: {e}") from e
         finally:
@@ -348,8 +374,8 @@ class VLLMEngine(RolloutEngine):
         """Load into the running engine and drop the prefix cache (its KV blocks came from the old weights)."""
         payload = write_weights(updates) if self.own_process else updates
         try:
-            self._llm.collective_rpc("anytime_load_weights", args=(payload,))
-            self._llm.reset_prefix_cache()
+            self._api("collective_rpc", "anytime_load_weights", args=(payload,))
+            self._api("reset_prefix_cache")
         except Exception as e:
             raise EngineError(f"vLLM weight update failed: {type(e).__name__}: {e}") from e
         finally:
@@ -367,11 +393,10 @@ class VLLMEngine(RolloutEngine):
         version = next(self._lora_ids)
         folder = write_adapter(factors, self._model_path)
         request = LoRARequest(f"anytime-adapter-v{version}", version, folder)
-        engine = self._llm.llm_engine
         try:
-            engine.add_lora(request)
+            self._lora_api("add_lora", request)
             if self._lora is not None:
-                engine.remove_lora(self._lora.lora_int_id)
+                self._lora_api("remove_lora", self._lora.lora_int_id)
         except Exception as e:
             shutil.rmtree(folder, ignore_errors=True)
             raise EngineError(f"vLLM adapter update failed: {type(e).__name__}: {e}") from e
@@ -391,7 +416,7 @@ class VLLMEngine(RolloutEngine):
         if not self._sleep_enabled:
             logger.info("vLLM sleep mode is not enabled on this %s engine: sleep() is a no-op", self._where)
             return
-        self._llm.sleep(level=level)
+        self._api("sleep", level=level)
 
     def wake_up(self) -> None:
         """Reallocate what ``sleep`` freed; no-op (logged) where sleep mode is unavailable."""
@@ -399,19 +424,19 @@ class VLLMEngine(RolloutEngine):
         if not self._sleep_enabled:
             logger.info("vLLM sleep mode is not enabled on this %s engine: wake_up() is a no-op", self._where)
             return
-        self._llm.wake_up()
+        self._api("wake_up")
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Join learner rank 0's NCCL weight group (GPU engines; see `NcclWeightSender`)."""
         self._check_open()
-        self._llm.collective_rpc("anytime_init_weight_group", args=(host, port, rank, world_size))
+        self._api("collective_rpc", "anytime_init_weight_group", args=(host, port, rank, world_size))
 
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         """Take the weights learner rank 0 broadcasts now, in `layout` order, and drop the prefix cache."""
         self._check_open()
         try:
-            self._llm.collective_rpc("anytime_receive_weights", args=(layout,))
-            self._llm.reset_prefix_cache()
+            self._api("collective_rpc", "anytime_receive_weights", args=(layout,))
+            self._api("reset_prefix_cache")
         except Exception as e:
             raise EngineError(f"vLLM weight update over NCCL failed: {type(e).__name__}: {e}") from e
 
@@ -429,7 +454,7 @@ class VLLMEngine(RolloutEngine):
         llm, self._llm = self._llm, None
         rendezvous = None if self.own_process else rendezvous_file(llm)
         try:
-            llm.llm_engine.engine_core.shutdown()
+            self._shutdown(llm)
         except Exception as e:  # shutting down must not mask the caller's own error
             logger.warning("vLLM shutdown raised %s: %s", type(e).__name__, e)
         del llm

@@ -11,7 +11,9 @@ Four runs of `anytime train` (same model, recipe and steps):
   - inflight_k2_split: the same split with `rollout.staleness_mode: inflight`, `max_staleness: 2` (the
     actor takes each new version between two decoding steps).
 `--engine vllm` runs all four on the vLLM engine instead of transformers (in flight, vLLM pauses with
-its requests kept, loads, relabels the weight version and resumes between two engine steps).
+its requests kept, loads, relabels the weight version and resumes between two engine steps);
+`--vllm-frontend async` drives it through vLLM's AsyncLLM (its engine core in a process of its own,
+paused by `pause_generation` wherever it is when a version arrives).
 The simulator (`anytime.trainer.timeline`) is calibrated on the lock-step split run's measured phases
 (rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
 think length, one core = one device, then predicts all three (so its lock-step split figure checks only
@@ -25,7 +27,7 @@ version to resuming it), and `sim_error` / `sim_error_inflight` (|predicted - me
 locked k=1 and in-flight k=2).
 
 Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
-                                    [--prompts 8] [--engine hf|vllm]
+                                    [--prompts 8] [--engine hf|vllm [--vllm-frontend llm|async]]
   --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
   a few minutes on 2 cores), whose traces mostly end before the largest budget;
   --model: an already warm-started model (e.g. runs/quickstart/sft_model);
@@ -125,6 +127,8 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (start-up)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine of all four runs")
+    parser.add_argument("--vllm-frontend", choices=("llm", "async"), default="llm",
+                        help="with --engine vllm: vLLM's LLM stepped by anytime, or AsyncLLM (rollout.vllm_frontend)")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -133,6 +137,10 @@ def main() -> int:
 
     shape = ([f"rollout.prompts_per_step={args.prompts}", f"learner.mini_batch_prompts={args.prompts}"]
              if args.prompts else []) + [f"rollout.engine={args.engine}"]
+    if args.engine == "vllm":
+        shape.append(f"rollout.vllm_frontend={args.vllm_frontend}")
+    elif args.vllm_frontend != "llm":
+        parser.error("--vllm-frontend needs --engine vllm")
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", shape)
     work = Path(tempfile.mkdtemp(prefix="async-rl-"))
     model = args.model

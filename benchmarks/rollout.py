@@ -10,7 +10,8 @@ workloads on a random tiny model:
   rollout (`AnytimeRolloutRunner`), with summaries run after all thinking (phased) and streamed
   (queued as each trace ends). A vLLM logits processor (`natural_lengths`) makes the random model
   end each trace at its drawn length, a function of the trace's seed, so both schedules see the
-  same traces (checked: ``streamed_equals_phased``).
+  same traces (checked: ``streamed_equals_phased``); `--vllm-frontends llm,async` runs it on both of
+  the vLLM engine's frontends (AsyncLLM's engine core runs in a process of its own).
 
 Prints ``name: value`` lines:
   summary_prefix_reuse_speedup     hf summary-phase time, naive re-prefill / prefix reuse (fixed)
@@ -21,6 +22,8 @@ Prints ``name: value`` lines:
   summary_overhead_vllm_streamed   natural: the same, streamed; "thinking time" is in both cases
                                    the phased run's thinking phase (the same traces, alone)
   rollout_s_streamed_over_phased   natural: rollout time (thinking + summaries, no verifier), streamed / phased
+  ..._async                        the natural lines again on vLLM's AsyncLLM frontend (--vllm-frontends llm,async),
+  rollout_s_streamed_async_over_llm  and its streamed rollout time over the stepped frontend's
   (medians over --repeats paired runs, alternating which schedule goes first)
 
 Usage: python benchmarks/rollout.py [--workloads fixed,natural] [--engines hf,vllm] [--prompts 8] ...
@@ -110,55 +113,9 @@ def _run_engine(kind: str, model_dir: str, args, prompts, close) -> dict[str, fl
     return res
 
 
-def natural_lengths(think_end: int, banned: tuple[int, ...], cap: int, median: float, sigma: float) -> type:
-    """A vLLM logits processor class ending each thinking request (one whose stop ids include
-    `think_end`) after a log-normal number of tokens (median `median`, log-sd `sigma`): the ids in
-    `banned` are masked before that length and `think_end` is forced at it (a draw past `cap`, the
-    largest budget, runs to the cap). The length is a function of the request's seed, so a seeded
-    trace has the same length whatever it is batched with. Summaries pass through untouched."""
-    import math
-
-    import numpy as np
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
-
-    def length_of(seed: int) -> int:
-        draw = np.random.default_rng(seed).lognormal(math.log(median), sigma)
-        return max(1, min(cap + 1, math.ceil(draw)))
-
-    class NaturalLengths(LogitsProcessor):
-        def __init__(self, vllm_config, device, is_pin_memory) -> None:  # noqa: ANN001 (vLLM's signature)
-            self.rows: dict[int, tuple[int, list[int]]] = {}  # batch row -> (length, its live output ids)
-            self.banned = torch.tensor(banned, dtype=torch.long)
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        @staticmethod
-        def _state(params, _prompt, output):  # noqa: ANN001, ANN205
-            if params.seed is None or think_end not in (params.stop_token_ids or ()):
-                return None
-            return length_of(params.seed), output
-
-        def update_state(self, batch_update) -> None:  # noqa: ANN001
-            process_dict_updates(self.rows, batch_update, self._state)
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            ban, force = [], []
-            for row, (length, output) in self.rows.items():
-                (force if len(output) + 1 >= length else ban).append(row)
-            if ban:
-                logits[torch.tensor(ban)[:, None], self.banned] = float("-inf")
-            if force:
-                logits[force] = float("-inf")
-                logits[force, think_end] = 0.0
-            return logits
-
-    return NaturalLengths
-
-
-def _run_natural(model_dir: str, args) -> dict[str, float]:
-    """Phased vs streamed anytime rollouts of the same seeds on one vLLM engine; medians of paired runs."""
+def _run_natural(model_dir: str, args, frontend: str) -> dict[str, float]:
+    """Phased vs streamed anytime rollouts of the same seeds on one vLLM engine (on `frontend`); medians
+    of paired runs."""
     import statistics
 
     from transformers import AutoTokenizer
@@ -168,11 +125,13 @@ def _run_natural(model_dir: str, args) -> dict[str, float]:
     from anytime.rollout.runner import AnytimeRolloutRunner, token_id_of
     from anytime.rollout.settings import AnytimeSettings
 
+    from natural_lengths import NaturalLengths, natural_lengths_config   # beside this script
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     budgets = tuple(int(b) for b in args.budgets.split(","))
     think_end = token_id_of(tok, "</think>")
-    processor = natural_lengths(think_end, (think_end, tok.eos_token_id), budgets[-1],
-                                args.length_median * budgets[-1], args.length_sigma)
+    lengths_config = natural_lengths_config(think_end, (think_end, tok.eos_token_id), budgets[-1],
+                                            args.length_median * budgets[-1], args.length_sigma)
     prompts = [render_prompt(tok, f"Start with {i}. Add {17 * i + 3}. What is the last digit?")
                for i in range(args.prompts)]
     golds = [str((18 * i + 3) % 10) for i in range(args.prompts)]
@@ -180,8 +139,9 @@ def _run_natural(model_dir: str, args) -> dict[str, float]:
     max_len = max(len(p) for p in prompts) + budgets[-1] + args.summary_tokens + 32
     runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     same, lengths, capped = True, [], 0
-    with create_engine("vllm", model_dir, max_model_len=max_len, seed=0, cpu_threads_bind=bind,
-                       kv_cache_gb=args.kv_cache_gb, logits_processors=[processor]) as eng, RewardScorer(num_workers=1) as scorer:
+    with create_engine("vllm", model_dir, max_model_len=max_len, seed=0, cpu_threads_bind=bind, frontend=frontend,
+                       kv_cache_gb=args.kv_cache_gb, logits_processors=[NaturalLengths],
+                       additional_config=lengths_config) as eng, RewardScorer(num_workers=1) as scorer:
         runner = AnytimeRolloutRunner(eng, tok, scorer, AnytimeSettings(
             budgets, args.traces, args.summaries, summary_max_tokens=args.summary_tokens))
         eng.stream_summaries = True
@@ -200,7 +160,7 @@ def _run_natural(model_dir: str, args) -> dict[str, float]:
     think = statistics.median(g for g, _ in runs[False])
     rollout = {stream: statistics.median(g + s for g, s in runs[stream]) for stream in runs}
     lengths.sort()
-    print(f"# natural: {len(lengths)} traces, lengths median {lengths[len(lengths) // 2]}, "
+    print(f"# natural ({frontend}): {len(lengths)} traces, lengths median {lengths[len(lengths) // 2]}, "
           f"p90 {lengths[int(0.9 * len(lengths))]}, {capped} reached the largest budget; "
           + "; ".join(f"{'streamed' if k else 'phased'} gen+summaries " + ", ".join(f"{g:.2f}+{s:.2f}" for g, s in v)
                       for k, v in runs.items()), file=sys.stderr)
@@ -220,6 +180,8 @@ def main() -> None:
     ap.add_argument("--length-median", type=float, default=0.25, help="natural: median length / largest budget")
     ap.add_argument("--length-sigma", type=float, default=1.0, help="natural: sd of log length")
     ap.add_argument("--repeats", type=int, default=3, help="natural: paired phased/streamed runs")
+    ap.add_argument("--vllm-frontends", default="llm",
+                    help="natural: llm (vLLM's LLM stepped by anytime, in this process), async (AsyncLLM), or both")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25, help="vllm KV cache (0.25 GiB: ~128k tokens here)")
     ap.add_argument(
         "--threads",
@@ -234,6 +196,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     workloads = [w for w in args.workloads.split(",") if w]
+    frontends = [f for f in args.vllm_frontends.split(",") if f]
+    if not set(frontends) <= {"llm", "async"}:
+        ap.error(f"--vllm-frontends takes llm and/or async, got {args.vllm_frontends!r}")
     engines = [e for e in args.engines.split(",") if e]
     if "vllm" in engines and importlib.util.find_spec("vllm") is None:
         print("# vllm is not installed: skipping the vllm engine", file=sys.stderr)
@@ -248,7 +213,8 @@ def main() -> None:
             results = {
                 kind: _run_engine(kind, model_dir, args, prompts, close) for kind in ("hf", "vllm") if kind in engines
             }
-        natural = _run_natural(model_dir, args) if "natural" in workloads and "vllm" in engines else None
+        natural = ({f: _run_natural(model_dir, args, f) for f in frontends}
+                   if "natural" in workloads and "vllm" in engines else {})
 
     if "hf" in results:
         hf = results["hf"]
@@ -260,12 +226,14 @@ def main() -> None:
         print(f"hf_tokens_per_s: {results['hf']['tokens_per_s']:.0f}")
     if "vllm" in results:
         print(f"vllm_tokens_per_s: {results['vllm']['tokens_per_s']:.0f}")
-    if natural is not None:
-        think = natural["think_s"]
-        print(f"summary_overhead_vllm_phased: {(natural['phased_s'] - think) / think:.3f}")
-        print(f"summary_overhead_vllm_streamed: {(natural['streamed_s'] - think) / think:.3f}")
-        print(f"rollout_s_streamed_over_phased: {natural['streamed_s'] / natural['phased_s']:.3f}")
-        print(f"streamed_equals_phased: {int(natural['same'])}")
+    for frontend, run in natural.items():
+        tag, think = ("" if frontend == "llm" else f"_{frontend}"), run["think_s"]
+        print(f"summary_overhead_vllm_phased{tag}: {(run['phased_s'] - think) / think:.3f}")
+        print(f"summary_overhead_vllm_streamed{tag}: {(run['streamed_s'] - think) / think:.3f}")
+        print(f"rollout_s_streamed_over_phased{tag}: {run['streamed_s'] / run['phased_s']:.3f}")
+        print(f"streamed_equals_phased{tag}: {int(run['same'])}")
+    if len(natural) == 2:
+        print(f"rollout_s_streamed_async_over_llm: {natural['async']['streamed_s'] / natural['llm']['streamed_s']:.3f}")
 
 
 if __name__ == "__main__":

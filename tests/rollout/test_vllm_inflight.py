@@ -4,7 +4,7 @@ version comes from vLLM's own `weight_versions` spans; sequences in flight conti
 values cached under the old weights, exactly as the transformers engine does; and a request that enters
 after a swap never reuses a prefix block the old weights computed. On vLLM's `AsyncLLM` frontend the
 swap lands wherever the running engine is when the weights arrive (`pause_generation`/`resume_generation`),
-and the same holds there."""
+and the same holds there (the last test)."""
 
 from __future__ import annotations
 
@@ -101,14 +101,13 @@ def test_traces_in_flight_keep_their_old_kv_as_the_transformers_engine_does(vllm
     assert abs(float(recomputed) - vllm_out.logprobs[SWAP_AT]) > 1e-2
 
 
-@pytest.mark.parametrize("frontend", ["llm", "async"])
-def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir, frontend):
+def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir):
     """The old weights cache LONG's blocks (a finished request's blocks stay in the prefix cache); after
     an in-flight swap the same prompt must be computed afresh: its log-probs equal a fresh engine's
     loaded with the new weights."""
     weights = perturbed(vllm_dir, scale=0.3)
     greedy = SamplingConfig(max_new_tokens=6, temperature=0)
-    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend=frontend) as eng:
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as eng:
         eng.generate([LONG], greedy)   # LONG's blocks now cached under version 0
         eng.weight_source = swap_on_poll(1, 1, weights)   # taken before the next request enters
         after = eng.generate([LONG], greedy)[0][0]
@@ -124,26 +123,29 @@ def test_a_request_after_a_swap_never_reuses_an_old_weight_prefix_block(vllm_dir
 def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm_dir):
     """On `AsyncLLM` the weights are taken while the engine core runs on its own: the swap lands
     between two of its steps, wherever it is then. Wherever that is (read from vLLM's spans: the
-    first `s` tokens are version 0, the rest version 1), the trace equals the transformers engine's
-    with the swap after the same `s` tokens: the new weights continue over the old weights' KV. The
-    offer comes sooner or later on each try, so that at least one lands strictly inside the trace."""
+    first `s` tokens are of the old version, the rest of the new one), the trace equals the
+    transformers engine's with the swap after the same `s` tokens: the new weights continue over the
+    old weights' KV. The first swap comes before the request enters (s = 0): the prompt, whose blocks
+    the old weights cached, is computed afresh. Later offers come sooner or later, so that at least
+    one lands strictly inside the trace."""
     weights = perturbed(vllm_dir, scale=0.3)
     greedy = SamplingConfig(max_new_tokens=40, temperature=0)
-    landed: list[tuple[int, Completion]] = []
+    swapped: list[tuple[int, Completion]] = []   # (s, trace) of every swap original -> perturbed
     with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend="async") as eng:
-        start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout
-        for version, at in enumerate((5, 3, 8, 2), start=1):   # polls come every few milliseconds
+        start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout; LONG's blocks now cached
+        for version, at in enumerate((1, 5, 3, 8, 2, 12), start=1):   # polls come every few milliseconds
             eng.weight_source = swap_on_poll(at, version, weights if version % 2 else original(vllm_dir))
             out = eng.generate([LONG], greedy)[0][0]
             s = out.versions.count(version - 1)
             assert out.versions == [version - 1] * s + [version] * (40 - s)   # one swap, between two tokens
             assert eng.version == version
-            if version % 2 and 0 < s < 40:
-                landed.append((s, out))
-            if len(landed) == 2:
+            if version % 2 and s < 40:
+                swapped.append((s, out))
+            if sum(0 < s < 40 for s, _ in swapped) == 2:
                 break
-    assert landed, "no swap landed inside a trace: the engine finished before every offer"
-    for s, out in landed:
+    assert swapped[0][0] == 0 and any(0 < s < 40 for s, _ in swapped), \
+        f"no swap landed inside a trace (swap points {[s for s, _ in swapped]}): the engine finished before each offer"
+    for s, out in swapped:
         assert out.token_ids[:s] == start.token_ids[:s]
         with create_engine("hf", vllm_dir, max_model_len=MAX_LEN) as hf:
             hf.weight_source = swap_on_poll(s + 1, 1, weights)   # hf: the prefill polls once, then each step

@@ -4,8 +4,9 @@
 it. An event loop in a thread of ours holds the `AsyncLLM` client; every sample is a request whose
 final output a task awaits, and a finished thinking trace adds its summary requests at once, as the
 stepped frontend does. In flight, the calling thread polls the weight source while the engine runs and
-swaps through vLLM's RL interface: `pause_generation(mode="keep", clear_cache=False)`, the same
-`collective_rpc` reload (a /dev/shm file), `update_weight_version`, `resume_generation()`. vLLM stops
+swaps through vLLM's RL interface: `pause_generation(mode="keep", clear_cache=False)`, the stepped
+frontend's load into an engine of its own (a /dev/shm file on the CPU, CUDA IPC on a GPU),
+`update_weight_version`, `resume_generation()`. vLLM stops
 its scheduler between two engine steps, so a swap never lands inside one, whatever the scheduling.
 Requests and swaps take one lock in turn, so a request's cache salt always names the weights it is
 scheduled under (the salt is the version current when the request enters; docs/async.md).
@@ -17,17 +18,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import torch
-
 from anytime.rollout.engine import Completion, EngineError
 from anytime.rollout.streaming import Request
 from anytime.rollout.vllm.engine import VLLMEngine
-from anytime.rollout.weight_files import write_weights
 
 _POLL_S = 0.005   # how often the calling thread looks for in-flight weights while the engine runs
 
@@ -152,24 +149,25 @@ class AsyncVLLMEngine(VLLMEngine):
         finally:
             collector.close()
 
-    # ---- weights -------------------------------------------------------------------------------
-    def _swap_weights(self, updates: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """An in-flight swap while the engine runs: pause (requests and their KV kept), load, label
-        the tokens that follow with `version`, resume; new requests wait for it (their salt changes)."""
-        payload = write_weights(updates)
-        try:
-            self._call(self._swap_async(payload, version))
-        except Exception as e:
-            raise EngineError(f"vLLM in-flight weight swap failed: {type(e).__name__}: {e}") from e
-        finally:
-            os.unlink(payload)
+    # ---- weights ----------------------------------------------------------------------------------
+    # An in-flight swap (`VLLMEngine._swap_weights`) runs here while the engine core keeps going: the
+    # pause takes the entry lock, so no request enters until the resume, and lands between two steps.
+    def _pause(self) -> None:
+        self._call(self._pause_async())
 
-    async def _swap_async(self, payload: str, version: int) -> None:
-        async with self._entry:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await self._llm.collective_rpc("anytime_load_weights", args=(payload,))
-                await self._llm.update_weight_version(str(version))
-                self._cache_version = version
-            finally:
-                await self._llm.resume_generation()
+    def _resume(self) -> None:
+        self._call(self._resume_async())
+
+    async def _pause_async(self) -> None:
+        await self._entry.acquire()
+        try:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)   # requests and their KV kept
+        except BaseException:
+            self._entry.release()
+            raise
+
+    async def _resume_async(self) -> None:
+        try:
+            await self._llm.resume_generation()
+        finally:
+            self._entry.release()

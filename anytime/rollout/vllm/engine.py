@@ -37,7 +37,7 @@ from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, Engin
                                     SamplingConfig, check_lengths, check_logprobs_mode)
 from anytime.rollout.streaming import AnytimeStream, Request
 from anytime.rollout.vllm.process import RPC_PATH, inside_process_group, launcher_env_hidden, rendezvous_file
-from anytime.rollout.vllm.weights import AnytimeWorkerExtension
+from anytime.rollout.vllm.weights import AnytimeWorkerExtension, IpcWeightLoader
 from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ class VLLMEngine(RolloutEngine):
             )
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
+            if self.own_process:   # weights reach the engine core by CUDA IPC (`_load_into_engine`)
+                kwargs["weight_transfer_config"] = {"backend": "ipc"}
             if block_size is not None:
                 kwargs["block_size"] = block_size
         if max_lora_rank:  # the learner trains LoRA adapters: serve them unmerged (see update_adapter)
@@ -187,6 +189,8 @@ class VLLMEngine(RolloutEngine):
             watch(children() - before, owner_files=weight_file_globs(os.getpid()),
                   owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
         self.stream_summaries = stream_summaries
+        self._ipc_transfer = self.own_process and not self.on_cpu
+        self._ipc_loader: IpcWeightLoader | None = None
         self._cache_version = self.version   # the version in new requests' cache salt (see `_serve`)
         self._api("update_weight_version", str(self.version))   # tokens carry integer versions from the start
         self._request_ids = itertools.count()
@@ -355,29 +359,43 @@ class VLLMEngine(RolloutEngine):
         request kept (and its KV blocks: traces continue over keys/values of the old weights, as in
         PipelineRL), load, label the tokens that follow with `version` (vLLM's per-token
         `weight_versions`), resume. The prefix cache stays; new requests get a new cache salt."""
-        payload = write_weights(updates) if self.own_process else updates
         try:
-            self._api("sleep", level=0, mode="keep")   # level 0 = pause the scheduler only
+            self._pause()
             try:
-                self._api("collective_rpc", "anytime_load_weights", args=(payload,))
+                self._load_into_engine(updates)
                 self._api("update_weight_version", str(version))
                 self._cache_version = version
             finally:
-                self._api("wake_up", tags=["scheduling"])
+                self._resume()
         except Exception as e:
             raise EngineError(f"vLLM in-flight weight swap failed: {type(e).__name__}: {e}") from e
-        finally:
-            if isinstance(payload, str):
-                os.unlink(payload)
+
+    def _pause(self) -> None:
+        self._api("sleep", level=0, mode="keep")   # level 0 = pause the scheduler only, requests kept
+
+    def _resume(self) -> None:
+        self._api("wake_up", tags=["scheduling"])
 
     def _load_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the running engine and drop the prefix cache (its KV blocks came from the old weights)."""
-        payload = write_weights(updates) if self.own_process else updates
         try:
-            self._api("collective_rpc", "anytime_load_weights", args=(payload,))
+            self._load_into_engine(updates)
             self._api("reset_prefix_cache")
         except Exception as e:
             raise EngineError(f"vLLM weight update failed: {type(e).__name__}: {e}") from e
+
+    def _load_into_engine(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        """In this process: the tensors themselves, by reference. An engine core in its own process takes
+        a safetensors file in /dev/shm on the CPU, and on a GPU the tensors through vLLM's weight-transfer
+        engine (CUDA IPC: mapped by the engine's workers, no host copy; untested, no GPU here)."""
+        if self._ipc_transfer:
+            if self._ipc_loader is None:
+                self._ipc_loader = IpcWeightLoader(self._api)
+            self._ipc_loader.load(updates)
+            return
+        payload = write_weights(updates) if self.own_process else updates
+        try:
+            self._api("collective_rpc", "anytime_load_weights", args=(payload,))
         finally:
             if isinstance(payload, str):
                 os.unlink(payload)

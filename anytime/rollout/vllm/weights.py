@@ -1,7 +1,11 @@
 """The worker side of weight sync with vLLM: methods mixed into vLLM's worker (reached through
-``collective_rpc``), and learner rank 0's end of the NCCL weight group (GPU only)."""
+``collective_rpc``), learner rank 0's end of the NCCL weight group, and the sender of vLLM's CUDA IPC
+weight-transfer engine for an engine core in a process of its own (both GPU only)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -54,3 +58,49 @@ class NcclWeightSender:
         for tensor in state.values():
             self.comm.broadcast(tensor.detach().cuda().contiguous(), src=0, stream=torch.cuda.current_stream())
         torch.cuda.synchronize()
+
+
+class _EngineSyncClient:
+    """vLLM's `VLLMWeightSyncClient` protocol (four methods) over the engine's own `collective_rpc`,
+    which reaches the same worker methods on either frontend (`LLM` and `AsyncLLM`)."""
+
+    def __init__(self, api: Callable[..., Any]) -> None:
+        self._api = api
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._api("collective_rpc", "init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._api("collective_rpc", "start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._api("collective_rpc", "update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._api("collective_rpc", "finish_weight_update")   # the engine labels the version itself
+
+
+class IpcWeightLoader:
+    """Loads weights into an engine core in another process on the same GPU through vLLM's weight-transfer
+    engine with the CUDA IPC backend (the engine starts with `weight_transfer_config: {backend: ipc}`):
+    the tensors go to this process's GPU and the engine's workers map them. `api(method, *args, **kwargs)`
+    calls the engine frontend. Untested: no GPU runs this project's tests."""
+
+    def __init__(self, api: Callable[..., Any]) -> None:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        self._batch: list[tuple[str, torch.Tensor]] = []
+        # a full-resync sender replays its source on every send: the source is this loader's current batch
+        self._sender = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=_EngineSyncClient(api), source=self)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._batch)
+
+    def load(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._batch = [(name, t.to(device)) for name, t in updates]
+        try:
+            self._sender.send_weights()
+        finally:
+            self._batch = []

@@ -121,7 +121,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
                 f.write(json.dumps({"test": item.nodeid, "seconds": item.stash.get(_TOOK, 0.0),
                                     "children": children, "left": left, "fixtures": item.fixturenames}) + "\n")
         elif children:
-            what = f"{len(started)} still running" if started else "one that ended"
+            what = f"{len(started)} still running: {sorted(started)}" if started else "one that ended"
             pytest.fail(f"{item.nodeid} is marked unit but started a child process ({what}): mark it "
                         "integration", pytrace=False)
     return result
@@ -204,11 +204,18 @@ def _live_children() -> set[str]:
     found = set()
     for child in children:
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.add(f"{child.pid} {' '.join(child.cmdline())[:200]}")
+            command = " ".join(child.cmdline())
+            # the session's local Ray cluster (a session fixture) starts and retires its own workers
+            # at any time; they are not the running test's children
+            if child.status() != psutil.STATUS_ZOMBIE and not _ray_cluster_process(command):
+                found.add(f"{child.pid} {command[:200]}")
         except psutil.Error:
             pass
     return found
+
+
+def _ray_cluster_process(command: str) -> bool:
+    return command.startswith("ray::") or "/site-packages/ray/" in command
 
 
 def _is_xdist_worker(config: pytest.Config) -> bool:

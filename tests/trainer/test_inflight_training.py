@@ -19,8 +19,8 @@ pytestmark = pytest.mark.e2e
 INFLIGHT = ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"]
 
 
-def train(out: Path, ray_address: str | None, *extra: str) -> dict[int, dict]:
-    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=5),
+def train(out: Path, ray_address: str | None, *extra: str, steps: int = 5) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=steps),
            "rollout.prompts_per_step=4", "learner.deterministic=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, **({"RAY_ADDRESS": ray_address} if ray_address else {})})
@@ -65,7 +65,8 @@ def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_ba
     checkpoint holds the batches still in flight, as in locked mode: a run that dies after step 2 and
     resumes from its checkpoint trains the very batches (tokens, versions, behaviour log-probs) of
     steps 3 and 4 that the unbroken run trained, so those steps equal it. On either engine (vLLM's
-    versions come from its own per-token spans), on either of its frontends (`vllm-async`: AsyncLLM)."""
+    versions come from its own per-token spans). On vLLM's AsyncLLM frontend (`vllm-async`) the in-flight
+    run itself, 3 steps: the checkpoint and resume do not depend on the frontend (CI's time)."""
     import json
     import shutil
 
@@ -77,7 +78,7 @@ def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_ba
     extra = ["learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT, "rollout.placement=processes",
              "trainer.keep_last=5", "rollout.engine=" + engine.removesuffix("-async"),
              f"rollout.vllm_frontend={'async' if engine.endswith('-async') else 'llm'}"]
-    unbroken = train(full, None, *extra)
+    unbroken = train(full, None, *extra, steps=3 if engine == "vllm-async" else 5)
     unbroken.pop("timed_swaps")
     for step, m in unbroken.items():
         assert m["rollout/token_version_lag_max"] <= 2, step
@@ -87,6 +88,8 @@ def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_ba
     assert unbroken[1]["offpolicy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     # later steps train on tokens of earlier versions (lr 1e-2 moves the tiny model far): the gap shows
     assert max(m["train/logprob_mismatch"] for m in unbroken.values()) > 1e-3
+    if engine == "vllm-async":
+        return
     step_2 = full / "checkpoints" / "step_2"
     assert [s["step"] for s in load_in_flight(step_2, 0)] == [2, 3]
     shutil.copytree(step_2, part / "checkpoints" / "step_2")

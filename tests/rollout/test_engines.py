@@ -550,19 +550,18 @@ def test_vllm_rejects_unservable_head_dim(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.vllm
-@pytest.mark.parametrize("frontend", ["llm", "async"])
-def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine, frontend):
-    """The layout used inside a multi-process learner (and always that of vLLM's AsyncLLM frontend):
-    the engine runs in its own process, samples exactly what the in-process engine samples, takes
-    weights through a safetensors file that it deletes afterwards, and closing leaves no process behind."""
+def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
+    """The layout used inside a multi-process learner: the engine runs in its own process, samples
+    exactly what the in-process engine samples, takes weights through a safetensors file that it
+    deletes afterwards, and closing leaves no process behind (AsyncLLM's, always in a process of its
+    own: tests/rollout/test_vllm_inflight.py)."""
     pytest.importorskip("vllm")
     psutil = pytest.importorskip("psutil")
     import tempfile
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     sockets_before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()}
-    eng = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, own_process=True,
-                        frontend=frontend)
+    eng = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, own_process=True)
     ipc_dir = Path(eng._ipc_dir)
     try:
         assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before]

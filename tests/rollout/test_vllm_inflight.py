@@ -127,11 +127,25 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
     transformers engine's with the swap after the same `s` tokens: the new weights continue over the
     old weights' KV. The first swap comes before the request enters (s = 0): the prompt, whose blocks
     the old weights cached, is computed afresh. Later offers come sooner or later, so that at least
-    one lands strictly inside the trace."""
+    one lands strictly inside the trace. First, the frontend itself: its engine core runs in a process
+    of its own, samples what the stepped in-process engine samples (plain and streamed anytime calls),
+    and leaves no process or weight file behind."""
+    psutil = pytest.importorskip("psutil")
+    from tests.rollout.test_engines import (NATURAL, SUMMARY, anytime_plan, assert_same_samples,
+                                            engine_processes_left, weight_files)
+
+    before, files_before = {p.pid for p in psutil.Process().children(recursive=True)}, weight_files()
+    sampled, plan = SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=5), anytime_plan(PROMPTS, 3)
+    with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as stepped:
+        stepped_samples = stepped.generate(PROMPTS, sampled)
+        stepped_anytime = stepped.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY)
     weights = perturbed(vllm_dir, scale=0.3)
     greedy = SamplingConfig(max_new_tokens=40, temperature=0)
     swapped: list[tuple[int, Completion]] = []   # (s, trace) of every swap original -> perturbed
     with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend="async") as eng:
+        assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert eng.generate(PROMPTS, sampled) == stepped_samples
+        assert_same_samples(eng.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY), stepped_anytime)
         start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout; LONG's blocks now cached
         for version, at in enumerate((1, 5, 3, 8, 2, 12), start=1):   # polls come every few milliseconds
             eng.weight_source = swap_on_poll(at, version, weights if version % 2 else original(vllm_dir))
@@ -143,6 +157,7 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
                 swapped.append((s, out))
             if sum(0 < s < 40 for s, _ in swapped) == 2:
                 break
+    assert engine_processes_left(before) == [] and weight_files() == files_before
     assert swapped[0][0] == 0 and any(0 < s < 40 for s, _ in swapped), \
         f"no swap landed inside a trace (swap points {[s for s, _ in swapped]}): the engine finished before each offer"
     for s, out in swapped:

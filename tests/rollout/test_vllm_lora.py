@@ -1,8 +1,7 @@
 """vLLM serves the learner's LoRA adapter itself: every weight version is a new `LoRARequest` (a name
 and id never used before, the previous one removed, its folder deleted), and greedy tokens and raw
 log-probs match the transformers engine holding the same adapter merged; a LoRA checkpoint exported
-merged serves in vLLM with the same greedy tokens. The adapter versions on either of vLLM's frontends
-(the stepped `LLM`, and `AsyncLLM` with its engine core in a process of its own)."""
+merged serves in vLLM with the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def adapter_folders() -> set[str]:
     return set(glob.glob(f"{tempfile.gettempdir()}/anytime-adapter-*"))
 
 
-@pytest.mark.parametrize("frontend", ["llm", "async"])
-def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path, frontend):
+def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path):
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
     from anytime.tasks.tiny import build_tiny_model
@@ -32,8 +30,7 @@ def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path, frontend):
     model_dir = str(build_tiny_model(tmp_path / "tiny", CORPUS, seed=0))
     learner = _lora_learner(model_dir, dtype=torch.float32)
     before = adapter_folders()
-    vllm = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, seed=0, max_lora_rank=4,
-                         frontend=frontend)
+    vllm = create_engine("vllm", model_dir, max_model_len=MAX_LEN, max_prompt_len=64, seed=0, max_lora_rank=4)
     hf = create_engine("hf", model_dir, max_model_len=MAX_LEN, max_prompt_len=64)
     try:
         assert vllm.accepts_adapters and vllm.adapter_name is None
@@ -57,9 +54,6 @@ def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path, frontend):
     finally:
         vllm.close()
     assert adapter_folders() == before
-    if frontend == "async":   # the export below does not depend on the frontend
-        hf.close()
-        return
     # a LoRA checkpoint exported merged serves in vLLM with the learner's greedy tokens
     from transformers import AutoTokenizer
 

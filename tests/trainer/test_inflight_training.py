@@ -19,8 +19,8 @@ pytestmark = pytest.mark.e2e
 INFLIGHT = ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"]
 
 
-def train(out: Path, ray_address: str | None, *extra: str, steps: int = 5) -> dict[int, dict]:
-    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=steps),
+def train(out: Path, ray_address: str | None, *extra: str) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=5),
            "rollout.prompts_per_step=4", "learner.deterministic=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, **({"RAY_ADDRESS": ray_address} if ray_address else {})})
@@ -58,27 +58,26 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
-                                    pytest.param("vllm-async", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_batch(tmp_path, engine):
     """No token is older than k = 2 steps, and the off-policy correction sees the gap. In flight, a
     checkpoint holds the batches still in flight, as in locked mode: a run that dies after step 2 and
     resumes from its checkpoint trains the very batches (tokens, versions, behaviour log-probs) of
     steps 3 and 4 that the unbroken run trained, so those steps equal it. On either engine (vLLM's
-    versions come from its own per-token spans). On vLLM's AsyncLLM frontend (`vllm-async`) the in-flight
-    run itself, 3 steps: the checkpoint and resume do not depend on the frontend (CI's time)."""
+    versions come from its own per-token spans). On vLLM the resumed run drives the engine through
+    `AsyncLLM` (`rollout.vllm_frontend: async`) and the unbroken one steps vLLM's `LLM`: the pending
+    batches come from the checkpoint, and the frontends sample alike."""
     import json
     import shutil
 
     from anytime.learner.checkpoint import load_in_flight
 
-    if engine.startswith("vllm"):
+    if engine == "vllm":
         pytest.importorskip("vllm")
     full, part = tmp_path / "full" / "run", tmp_path / "part" / "run"
     extra = ["learner.lr=1e-2", "algorithm.offpolicy_correction=tis", *INFLIGHT, "rollout.placement=processes",
-             "trainer.keep_last=5", "rollout.engine=" + engine.removesuffix("-async"),
-             f"rollout.vllm_frontend={'async' if engine.endswith('-async') else 'llm'}"]
-    unbroken = train(full, None, *extra, steps=3 if engine == "vllm-async" else 5)
+             "trainer.keep_last=5", f"rollout.engine={engine}"]
+    unbroken = train(full, None, *extra)
     unbroken.pop("timed_swaps")
     for step, m in unbroken.items():
         assert m["rollout/token_version_lag_max"] <= 2, step
@@ -88,13 +87,11 @@ def test_inflight_tokens_are_never_older_than_k_steps_and_checkpoints_lose_no_ba
     assert unbroken[1]["offpolicy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     # later steps train on tokens of earlier versions (lr 1e-2 moves the tiny model far): the gap shows
     assert max(m["train/logprob_mismatch"] for m in unbroken.values()) > 1e-3
-    if engine == "vllm-async":
-        return
     step_2 = full / "checkpoints" / "step_2"
     assert [s["step"] for s in load_in_flight(step_2, 0)] == [2, 3]
     shutil.copytree(step_2, part / "checkpoints" / "step_2")
     shutil.copytree(full.parent / "init", part.parent / "init")
-    resumed = train(part, None, *extra)
+    resumed = train(part, None, *extra, *(["rollout.vllm_frontend=async"] if engine == "vllm" else []))
     resumed.pop("timed_swaps")
     for t in (3, 4):
         assert resumed[t] == unbroken[t], t

@@ -139,7 +139,7 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
     with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN) as stepped:
         stepped_samples = stepped.generate(PROMPTS, sampled)
         stepped_anytime = stepped.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY)
-    weights = perturbed(vllm_dir, scale=0.3)
+    weights, originals = perturbed(vllm_dir, scale=0.3), original(vllm_dir)
     greedy = SamplingConfig(max_new_tokens=40, temperature=0)
     swapped: list[tuple[int, Completion]] = []   # (s, trace) of every swap original -> perturbed
     with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend="async") as eng:
@@ -148,7 +148,7 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
         assert_same_samples(eng.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY), stepped_anytime)
         start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout; LONG's blocks now cached
         for version, at in enumerate((1, 5, 3, 8, 2, 12), start=1):   # polls come every few milliseconds
-            eng.weight_source = swap_on_poll(at, version, weights if version % 2 else original(vllm_dir))
+            eng.weight_source = swap_on_poll(at, version, weights if version % 2 else originals)
             out = eng.generate([LONG], greedy)[0][0]
             s = out.versions.count(version - 1)
             assert out.versions == [version - 1] * s + [version] * (40 - s)   # one swap, between two tokens

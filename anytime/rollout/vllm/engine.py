@@ -125,6 +125,8 @@ class VLLMEngine(RolloutEngine):
             ) from e
 
         self.on_cpu = current_platform.is_cpu()
+        # an engine core of its own on a GPU takes weights by CUDA IPC (`_load_into_engine`)
+        self._ipc_transfer = self.own_process and not self.on_cpu
         head_dim = _head_dim(config)
         if self.on_cpu:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -162,7 +164,7 @@ class VLLMEngine(RolloutEngine):
             )
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
-            if self.own_process:   # weights reach the engine core by CUDA IPC (`_load_into_engine`)
+            if self._ipc_transfer:
                 kwargs["weight_transfer_config"] = {"backend": "ipc"}
             if block_size is not None:
                 kwargs["block_size"] = block_size
@@ -189,7 +191,6 @@ class VLLMEngine(RolloutEngine):
             watch(children() - before, owner_files=weight_file_globs(os.getpid()),
                   owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
         self.stream_summaries = stream_summaries
-        self._ipc_transfer = self.own_process and not self.on_cpu
         self._ipc_loader: IpcWeightLoader | None = None
         self._cache_version = self.version   # the version in new requests' cache salt (see `_serve`)
         self._api("update_weight_version", str(self.version))   # tokens carry integer versions from the start

@@ -259,6 +259,9 @@ class TrainerConfig:
     keep_last: int = opt(3, "checkpoints kept")
     resume: str = opt("auto", "auto (the newest checkpoint), never, or a checkpoint folder")
     num_threads: int = opt(0, "CPU threads per process for torch; 0 = torch's default")
+    dist_timeout_minutes: float = opt(
+        120.0, "learner processes: minutes a rank waits in a collective before the run fails; the other ranks wait "
+               "this long while rank 0 runs the warm start or the held-out eval alone")
 
 
 @dataclass
@@ -388,6 +391,8 @@ def validate(r: Recipe) -> None:
     _require(r.algorithm.kl_coef == 0 or r.learner.reference_model,
              "`algorithm.kl_coef` > 0 needs `learner.reference_model: true`")
     _require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")
+    _require(r.trainer.dist_timeout_minutes > 0,
+             f"`trainer.dist_timeout_minutes` must be positive, got {r.trainer.dist_timeout_minutes}")
     _require(r.summary.think_end in r.summary.close_text,
              f"`summary.close_text` {r.summary.close_text!r} must contain `summary.think_end` {r.summary.think_end!r}")
     _require(r.summary.header.strip() != "", "`summary.header` must not be blank; the verifier looks for it")

@@ -8,6 +8,7 @@ calls them unconditionally.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,12 +36,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def init_from_env() -> None:
-    """Join the process group a launcher (torchrun, `anytime train`) described in the environment."""
+def init_from_env(timeout_minutes: float | None = None) -> None:
+    """Join the process group a launcher (torchrun, `anytime train`) described in the environment, each
+    rank on its own GPU (LOCAL_RANK). A collective fails after `timeout_minutes` of waiting (torch's
+    default when None: 10 minutes under NCCL): the other ranks wait that long in one while rank 0 runs
+    the warm start or the held-out eval alone."""
     if "RANK" in os.environ and not initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -28,6 +28,7 @@ from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import broadcast_object, local_share, rank_world
 from anytime.rollout.placement import (
     RolloutWorkerError,
+    gpus_after_learners,
     pin_cpus,
     scatter_results,
     to_numpy,
@@ -179,15 +180,10 @@ class ProcessRollouts:
             raise
 
     def _gpus(self, count: int) -> list[int | None]:
-        """On CUDA, worker i takes the GPU after the learner's processes' and the workers before it."""
+        """On CUDA, worker i takes the i-th GPU after the learner processes' (pipeline stages included)."""
         if not torch.cuda.is_available():
             return [None] * count
-        first, total = self.recipe.learner.num_processes, torch.cuda.device_count()
-        if first + count > total:
-            raise ValueError(f"`rollout.placement: processes` gives each of the {count} workers a GPU of its own after "
-                             f"the learner's {first}, but this machine has {total}: lower rollout.workers or use "
-                             "rollout.placement: colocated")
-        return [first + i for i in range(count)]
+        return list(gpus_after_learners(self.recipe.learner.processes, count)[:count])
 
     # ---- calls, answered in order -------------------------------------------------------------
     def _error(self, i: int, what: str, why: str) -> RolloutWorkerError:

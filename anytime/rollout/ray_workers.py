@@ -15,10 +15,11 @@ regenerated rows equal the lost ones and a locked run stays exact.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,9 +31,11 @@ from anytime.core.dist import broadcast_object, local_share, rank_world
 from anytime.rollout.placement import (
     RolloutWorkerError,
     from_numpy,
+    gpus_after_learners,
     pin_cpus,
     scatter_results,
     to_numpy,
+    visible_ids,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +104,40 @@ class RolloutActor:
         ray.actor.exit_actor()
 
 
+def local_ray_env(recipe: Recipe, gpus_per_worker: float) -> dict[str, str]:
+    """The environment a local Ray cluster starts in: on CUDA, only the GPUs after the learner processes'
+    are visible to it, so its actors never land on a learner's GPU (Ray gives its own GPUs from 0)."""
+    if not torch.cuda.is_available():
+        return {}
+    learners = int(os.environ.get("LOCAL_WORLD_SIZE", recipe.learner.processes))
+    free = gpus_after_learners(learners, recipe.rollout.workers, gpus_per_worker)
+    return {"CUDA_VISIBLE_DEVICES": visible_ids(free)}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set in this process's environment inside the block (for the processes it starts)."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def weight_group_host() -> str:
+    """The address of learner rank 0 that the actors' engines dial for the NCCL weight group: the one Ray
+    advertises for this node to the others (the host name can resolve to a loopback address such as
+    Debian's 127.0.1.1, which no other node reaches)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 @dataclass
 class Submitted:
     """A rollout handed to the actors, with what regenerates an actor's share should it die."""
@@ -142,16 +179,20 @@ class RayRollouts:
         except ImportError:
             raise ValueError("rollout.placement: ray needs Ray: pip install -e '.[ray]'") from None
         r = recipe.rollout
+        gpus = r.ray_gpus_per_worker if r.ray_gpus_per_worker is not None else float(torch.cuda.is_available())
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             from anytime.core.watchdog import children, watch
 
             before = children()
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+            if address:
+                log.info("joining the Ray cluster at %s: its GPUs must leave out those of the learner processes "
+                         "(start Ray on their node with CUDA_VISIBLE_DEVICES naming the others)", address)
+            with environment(local_ray_env(recipe, gpus) if not address else {}):
+                ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
             self._started_ray = not address
             if self._started_ray:  # a local cluster: it must not outlive this process
                 watch(children() - before)
-        gpus = r.ray_gpus_per_worker if r.ray_gpus_per_worker is not None else float(torch.cuda.is_available())
         bundle = {"CPU": r.ray_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         sync = r.weight_sync if r.weight_sync != "auto" else ("nccl" if gpus and r.engine == "vllm" else "object_store")
         if sync == "nccl" and r.worker_restarts:
@@ -188,7 +229,7 @@ class RayRollouts:
         """A NCCL group of learner rank 0 (rank 0) and the actors' engines (ranks 1..N) for weights."""
         from anytime.rollout.vllm import NcclWeightSender
 
-        host = socket.gethostbyname(socket.gethostname())
+        host = weight_group_host()
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]

@@ -141,7 +141,7 @@ def _run_here(recipe: Recipe) -> int:
     from anytime.core.dist import broadcast_object, init_from_env, initialized, rank_world
     from anytime.trainer.trainer import Trainer
 
-    init_from_env()
+    init_from_env(recipe.trainer.dist_timeout_minutes)
     rank = rank_world()[0]
     t0 = time.perf_counter()
     if rank == 0:

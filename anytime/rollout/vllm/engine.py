@@ -51,6 +51,26 @@ def _served_rank(rank: int) -> int:
     return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
 
 
+def gpu_kwargs(device_index: int, *, gpu_memory_utilization: float, sleep: bool, ipc_transfer: bool
+               ) -> dict[str, Any]:
+    """vLLM's arguments for an engine on this process's GPU `device_index` (what `torch.cuda.current_device()`
+    says: learner rank r's GPU, or the one a worker process or Ray actor was given). vLLM takes its device
+    from its own config, never from the caller's current device (plain "cuda" is GPU 0), so it is named:
+    `device_ids` counts within CUDA_VISIBLE_DEVICES, like torch's ordinals."""
+    kwargs: dict[str, Any] = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
+                                  device_ids=[device_index])
+    if ipc_transfer:
+        kwargs["weight_transfer_config"] = {"backend": "ipc"}
+    return kwargs
+
+
+def engine_env(ipc_transfer: bool) -> dict[str, str]:
+    """Variables for an engine core started in a process of its own. With CUDA IPC weights it must decode
+    the pickled handles `IpcWeightLoader` sends (vLLM's own rule for them); the socket that carries them
+    joins only this process and its engine core."""
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ipc_transfer else {}
+
+
 def _head_dim(config: Any) -> int:
     head_dim = getattr(config, "head_dim", None)
     return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
@@ -163,9 +183,8 @@ class VLLMEngine(RolloutEngine):
                 enable_chunked_prefill=False,
             )
         else:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._sleep_enabled)
-            if self._ipc_transfer:
-                kwargs["weight_transfer_config"] = {"backend": "ipc"}
+            kwargs.update(gpu_kwargs(torch.cuda.current_device(), gpu_memory_utilization=gpu_memory_utilization,
+                                     sleep=self._sleep_enabled, ipc_transfer=self._ipc_transfer))
             if block_size is not None:
                 kwargs["block_size"] = block_size
         if max_lora_rank:  # the learner trains LoRA adapters: serve them unmerged (see update_adapter)
@@ -181,7 +200,7 @@ class VLLMEngine(RolloutEngine):
         self._ipc_dir = (tempfile.mkdtemp(prefix=f"anytime-vllm-{os.getpid()}-")
                          if self.own_process and RPC_PATH not in os.environ else None)
         try:
-            with launcher_env_hidden(self._ipc_dir):
+            with launcher_env_hidden(self._ipc_dir, engine_env(self._ipc_transfer)):
                 self._llm = self._start(kwargs)
         except Exception as e:
             if self._ipc_dir is not None:
@@ -391,7 +410,7 @@ class VLLMEngine(RolloutEngine):
         engine (CUDA IPC: mapped by the engine's workers, no host copy; untested, no GPU here)."""
         if self._ipc_transfer:
             if self._ipc_loader is None:
-                self._ipc_loader = IpcWeightLoader(self._api)
+                self._ipc_loader = IpcWeightLoader(self._api, torch.device("cuda", torch.cuda.current_device()))
             self._ipc_loader.load(updates)
             return
         payload = write_weights(updates) if self.own_process else updates

@@ -22,11 +22,13 @@ def inside_process_group() -> bool:
 
 
 @contextlib.contextmanager
-def launcher_env_hidden(ipc_dir: str | None = None) -> Iterator[None]:
+def launcher_env_hidden(ipc_dir: str | None = None, extra: dict[str, str] | None = None) -> Iterator[None]:
     """Hide torchrun's variables from a child process started inside the block, and point vLLM's
     inter-process sockets and the child's temporary files (vLLM's rendezvous file, multiprocessing
-    folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them."""
+    folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them. `extra`
+    variables are set for the child alone."""
     pointed = {RPC_PATH: ipc_dir, "TMPDIR": ipc_dir} if ipc_dir is not None else {}
+    pointed.update(extra or {})
     saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, *pointed) if k in os.environ}
     os.environ.update(pointed)   # this process's own temporary folder is already fixed (tempfile caches it)
     try:

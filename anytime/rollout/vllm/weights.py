@@ -4,6 +4,9 @@ weight-transfer engine for an engine core in a process of its own (both GPU only
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,14 +35,37 @@ class AnytimeWorkerExtension:
         self._anytime_nccl = PyNcclCommunicator(group, device=self.device)  # type: ignore[attr-defined]
 
     def anytime_receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
-        """Receive every weight of `layout` (name, shape, dtype) by broadcast from learner rank 0, then load."""
-        weights = []
-        for name, shape, dtype in layout:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)  # type: ignore[attr-defined]
-            self._anytime_nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-            weights.append((name, tensor))
+        """Receive every weight of `layout` (name, shape, dtype) by broadcast from learner rank 0 and load
+        it as it arrives: one received weight on the GPU at a time, not a second copy of the model."""
+        device, comm = self.device, self._anytime_nccl  # type: ignore[attr-defined]
+
+        def receive(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+            return tensor   # the load that copies it runs on the same stream, after the broadcast
+
+        with contextlib.closing(received_one_at_a_time(layout, receive)) as weights:
+            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
-        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+
+
+def received_one_at_a_time(layout: list[tuple[str, tuple[int, ...], str]],
+                           receive: Callable[[str, tuple[int, ...], str], torch.Tensor]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each weight of `layout`, received only when the loader asks for it, so the loader
+    has copied the previous one into the model first. If the loader stops early (an error), the rest are
+    still received and dropped: the sender broadcasts every weight, and a receiver that left would hang it."""
+    pending, receiving = iter(layout), False
+    try:
+        for name, shape, dtype in pending:
+            receiving = True
+            tensor = receive(name, shape, dtype)
+            receiving = False
+            yield name, tensor
+    finally:
+        if not receiving:   # a failed receive means a broken group: nothing more will arrive
+            for name, shape, dtype in pending:
+                receive(name, shape, dtype)
 
 
 class NcclWeightSender:
@@ -60,47 +86,59 @@ class NcclWeightSender:
         torch.cuda.synchronize()
 
 
-class _EngineSyncClient:
-    """vLLM's `VLLMWeightSyncClient` protocol (four methods) over the engine's own `collective_rpc`,
-    which reaches the same worker methods on either frontend (`LLM` and `AsyncLLM`)."""
-
-    def __init__(self, api: Callable[..., Any]) -> None:
-        self._api = api
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._api("collective_rpc", "init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._api("collective_rpc", "start_weight_update")
-
-    def update_weights(self, update_info: Any) -> None:
-        self._api("collective_rpc", "update_weights", kwargs={"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._api("collective_rpc", "finish_weight_update")   # the engine labels the version itself
-
-
 class IpcWeightLoader:
     """Loads weights into an engine core in another process on the same GPU through vLLM's weight-transfer
-    engine with the CUDA IPC backend (the engine starts with `weight_transfer_config: {backend: ipc}`):
-    the tensors go to this process's GPU and the engine's workers map them. `api(method, *args, **kwargs)`
-    calls the engine frontend. Untested: no GPU runs this project's tests."""
+    engine with the CUDA IPC backend (the engine starts with `weight_transfer_config: {backend: ipc}`): the
+    engine's workers map this process's GPU tensors, no host copy. `api(method, *args, **kwargs)` calls the
+    engine frontend. The protocol is vLLM's (init, then start / update / finish per sync), sent by this
+    process alone; two things differ from vLLM's trainer-side `IPCTrainerWeightTransferEngine`:
 
-    def __init__(self, api: Callable[..., Any]) -> None:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+    - the handles travel pickled in `ipc_handles_pickled`, as vLLM's own HTTP client sends them: the raw
+      handles hold classes and a `torch.dtype`, which the msgpack encoder of `collective_rpc` refuses. The
+      engine core decodes them because it starts with `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (see
+      `VLLMEngine`; its socket joins only our own two processes);
+    - no collective on the learners' default process group: vLLM's sender all-gathers the handles over it,
+      which in a multi-process learner only the rank that owns the engine enters (a hang).
 
-        self._batch: list[tuple[str, torch.Tensor]] = []
-        # a full-resync sender replays its source on every send: the source is this loader's current batch
-        self._sender = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=_EngineSyncClient(api), source=self)
+    A failed update still ends the update session, so the next sync can start one."""
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self._batch)
+    def __init__(self, api: Callable[..., Any], device: torch.device) -> None:
+        self._api = api
+        self._device = device
+        self._initialised = False
+
+    def handle(self, tensor: torch.Tensor) -> dict[str, tuple[Any, ...]]:
+        """`tensor`'s CUDA IPC handle, keyed by its GPU's UUID (what vLLM's receiver looks up)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return {str(torch.cuda.get_device_properties(tensor.device).uuid): reduce_tensor(tensor)[1]}
+
+    def update_info(self, weights: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """vLLM's `IPCWeightTransferUpdateInfo` fields for `weights`, as plain data."""
+        handles = [self.handle(t) for _, t in weights]
+        return {"names": [name for name, _ in weights],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+                "shapes": [list(t.shape) for _, t in weights],
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii")}
 
     def load(self, updates: list[tuple[str, torch.Tensor]]) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
-        self._batch = [(name, t.to(device)) for name, t in updates]
+        if not self._initialised:
+            self._rpc("init_weight_transfer_engine", init_info={"packed": False})
+            self._initialised = True
+        # the engine maps these very tensors: they stay referenced here until it has loaded them
+        shared = [(name, t.detach().to(self._device).contiguous()) for name, t in updates]
+        info = self.update_info(shared)
+        self._rpc("start_weight_update")
         try:
-            self._sender.send_weights()
-        finally:
-            self._batch = []
+            self._rpc("update_weights", update_info=info)
+        except BaseException:
+            with contextlib.suppress(Exception):   # the update's own error is the one to report
+                self._rpc("finish_weight_update")
+            raise
+        self._rpc("finish_weight_update")
+        del shared
+        if self._device.type == "cuda":
+            torch.cuda.ipc_collect()
+
+    def _rpc(self, method: str, **kwargs: Any) -> None:
+        self._api("collective_rpc", method, kwargs=kwargs)

@@ -1,0 +1,263 @@
+"""The GPU-only paths of the rollout side, checked by contract on the CPU, with the libraries' own code
+wherever it runs here: vLLM's msgpack encoder and update-info dataclass on exactly what the CUDA IPC sender
+puts through `collective_rpc`, vLLM's engine arguments and Ray's accelerator manager on the GPUs each engine
+and worker is given (on a machine made to report N GPUs), the NCCL receiver's one-weight-at-a-time load,
+and the address other nodes dial for the weight group."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration   # importing vLLM starts a child process (its platform probe)
+
+
+def _cuda_like_handle(t: torch.Tensor) -> dict[str, tuple]:
+    """What `reduce_tensor` returns for a CUDA tensor, field by field (torch/multiprocessing/reductions.py:
+    tensor class, size, stride, offset, storage class, dtype, device, IPC handle, storage size and offset,
+    requires_grad, ref counter handle and offset, event handle, event sync): classes and a dtype among them."""
+    return {"GPU-0000": (type(t), tuple(t.shape), t.stride(), 0, torch.UntypedStorage, t.dtype, 0, b"\x01" * 64,
+                         t.numel() * t.element_size(), 0, False, b"ref", 0, b"\x02" * 64, True)}
+
+
+def _CpuIpcLoader(engine, device):
+    """The sender with the one CUDA-only call (the handle of a GPU tensor) replaced by its exact shape."""
+    from anytime.rollout.vllm.weights import IpcWeightLoader
+
+    class CpuIpcLoader(IpcWeightLoader):
+        def handle(self, tensor: torch.Tensor) -> dict[str, tuple]:
+            return _cuda_like_handle(tensor)
+
+    return CpuIpcLoader(engine, device)
+
+
+class _Engine:
+    """An engine frontend's `collective_rpc` that encodes every call with vLLM's own msgpack encoder, as
+    the client of an engine core in another process does, and fails where told."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        self.encoder, self.fail, self.calls = MsgpackEncoder(), fail, []
+
+    def __call__(self, api: str, method: str, *args, **kwargs):
+        assert api == "collective_rpc"
+        self.encoder.encode((method, args, kwargs))   # raises as vLLM's client would
+        self.calls.append((method, kwargs.get("kwargs", {})))
+        if method == self.fail:
+            raise RuntimeError(f"{method} failed in the engine")
+
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    return [("model.embed_tokens.weight", torch.randn(8, 4)), ("lm_head.weight", torch.randn(8, 4, dtype=torch.bfloat16))]
+
+
+def test_vllm_msgpack_refuses_raw_cuda_ipc_handles(monkeypatch):
+    """The finding itself: the handles as vLLM's trainer-side engine sends them cannot cross `collective_rpc`."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(TypeError, match="not serializable"):
+        MsgpackEncoder().encode({"ipc_handles": [_cuda_like_handle(torch.zeros(2))]})
+
+
+def test_ipc_sender_payload_crosses_collective_rpc_and_decodes_as_vllm_reads_it(monkeypatch):
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    engine = _Engine()
+    weights = _weights()
+    _CpuIpcLoader(engine, torch.device("cpu")).load(weights)
+    assert [m for m, _ in engine.calls] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                            "finish_weight_update"]
+    # the engine core's side: decode the wire bytes, then build vLLM's own update info from them, which
+    # unpickles the handles only in a process started with VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    sent = engine.calls[2][1]["update_info"]
+    wire = MsgpackDecoder().decode(MsgpackEncoder().encode(sent))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    info = IPCWeightTransferUpdateInfo(**wire)
+    assert info.names == [n for n, _ in weights]
+    assert info.dtype_names == ["float32", "bfloat16"] and info.shapes == [[8, 4], [8, 4]]
+    assert info.ipc_handles == [_cuda_like_handle(t) for _, t in weights]
+
+
+def test_engine_core_with_ipc_weights_starts_with_the_decoding_switch_on():
+    from anytime.rollout.vllm.engine import engine_env
+
+    assert engine_env(ipc_transfer=True) == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert engine_env(ipc_transfer=False) == {}
+
+
+def test_a_failed_ipc_update_ends_the_session_so_the_next_sync_can_start():
+    engine = _Engine(fail="update_weights")
+    loader = _CpuIpcLoader(engine, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="update_weights failed"):
+        loader.load(_weights())
+    assert [m for m, _ in engine.calls][-2:] == ["update_weights", "finish_weight_update"]
+    engine.fail = None
+    loader.load(_weights())   # a new session starts; init is not repeated
+    assert [m for m, _ in engine.calls][-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert [m for m, _ in engine.calls].count("init_weight_transfer_engine") == 1
+
+
+def test_ipc_sender_issues_no_collective_on_the_learners_process_group(monkeypatch):
+    """In a multi-process learner only the rank that owns the engine sends: a collective there would wait
+    for ranks that never enter it (vLLM's sender all-gathers handles over the default group)."""
+    import torch.distributed as dist
+
+    called = []
+    for name in ("all_gather_object", "barrier", "broadcast", "all_reduce", "all_gather"):
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: called.append(_n))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    _CpuIpcLoader(_Engine(), torch.device("cpu")).load(_weights())
+    assert called == []
+
+
+# ---- which GPU each engine and worker is given -----------------------------------------------------
+
+class _Gpus:
+    """A machine made to report `count` GPUs to torch: set_device/current_device as CUDA keeps them."""
+
+    def __init__(self, monkeypatch, count: int) -> None:
+        self.current = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda i: setattr(self, "current", int(i)))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_learner_rank_r_engine_is_given_gpu_r(monkeypatch, local_rank):
+    import torch.distributed as dist
+    from vllm.engine.arg_utils import EngineArgs
+
+    from anytime.core.dist import init_from_env
+    from anytime.rollout.vllm.engine import gpu_kwargs
+
+    _Gpus(monkeypatch, 4)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    init_from_env()   # what every learner rank runs first (inprocess and colocated engines live there)
+    kwargs = gpu_kwargs(torch.cuda.current_device(), gpu_memory_utilization=0.5, sleep=True, ipc_transfer=False)
+    assert kwargs["device_ids"] == [local_rank]
+    # vLLM's own engine arguments turn it into the physical GPU its worker binds (`assigned_physical_gpu_ids`)
+    engine_args = SimpleNamespace(device_ids=kwargs["device_ids"], distributed_executor_backend=None)
+    assert EngineArgs._resolve_device_ids(engine_args) == [local_rank]
+
+
+def test_engine_gpu_kwargs_name_the_ipc_backend_only_for_an_engine_of_its_own():
+    from anytime.rollout.vllm.engine import gpu_kwargs
+
+    own = gpu_kwargs(2, gpu_memory_utilization=0.4, sleep=False, ipc_transfer=True)
+    assert own["weight_transfer_config"] == {"backend": "ipc"} and own["device_ids"] == [2]
+    assert "weight_transfer_config" not in gpu_kwargs(2, gpu_memory_utilization=0.4, sleep=False, ipc_transfer=False)
+
+
+def _recipe(*overrides: str):
+    from anytime.config import load_recipe
+
+    return load_recipe("recipes/quickstart.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("stages,processes,want", [(1, 2, [2, 3]), (2, 1, [2, 3]), (1, 1, [1, 2])])
+def test_process_workers_take_the_gpus_after_every_learner_process(monkeypatch, stages, processes, want):
+    """Learner processes count pipeline stages (`learner.processes`): stage 1 of a lone replica is GPU 1."""
+    from anytime.rollout.processes import ProcessRollouts
+
+    _Gpus(monkeypatch, 4)
+    extra = ["learner.pipeline.stages=2"] if stages > 1 else []
+    rollouts = ProcessRollouts.__new__(ProcessRollouts)
+    rollouts.recipe = _recipe(f"learner.num_processes={processes}", "rollout.placement=processes", *extra)
+    assert rollouts._gpus(2) == want
+
+
+def test_process_workers_that_do_not_fit_after_the_learners_are_refused(monkeypatch):
+    from anytime.rollout.processes import ProcessRollouts
+
+    _Gpus(monkeypatch, 2)
+    rollouts = ProcessRollouts.__new__(ProcessRollouts)
+    rollouts.recipe = _recipe("learner.num_processes=2", "rollout.placement=processes")
+    with pytest.raises(ValueError, match="rollout.workers"):
+        rollouts._gpus(1)
+
+
+@pytest.mark.parametrize("visible,want", [(None, ["2", "3"]), ("4,5,6,7", ["6", "7"])])
+def test_local_ray_cluster_sees_only_the_gpus_after_the_learners(monkeypatch, visible, want):
+    """Ray hands its actors GPUs from the ids visible when it starts (its accelerator manager reads
+    CUDA_VISIBLE_DEVICES); the learners' GPUs are not among them."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+    from anytime.rollout.ray_workers import environment, local_ray_env
+
+    _Gpus(monkeypatch, 4)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    recipe = _recipe("learner.num_processes=2", "rollout.placement=ray", "rollout.workers=2")
+    with environment(local_ray_env(recipe, 1.0)):
+        assert NvidiaGPUAcceleratorManager.get_current_process_visible_accelerator_ids() == want
+    assert NvidiaGPUAcceleratorManager.get_current_process_visible_accelerator_ids() == (
+        None if visible is None else visible.split(","))
+
+
+def test_local_ray_cluster_without_a_free_gpu_is_refused_by_name(monkeypatch):
+    from anytime.rollout.ray_workers import local_ray_env
+
+    _Gpus(monkeypatch, 2)
+    recipe = _recipe("learner.num_processes=2", "rollout.placement=ray", "rollout.workers=1")
+    with pytest.raises(ValueError, match="rollout.ray_gpus_per_worker"):
+        local_ray_env(recipe, 1.0)
+
+
+def test_weight_group_address_is_the_one_ray_advertises_not_the_hosts_loopback_name(monkeypatch):
+    import socket
+
+    import ray.util
+
+    from anytime.rollout.ray_workers import weight_group_host
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")   # Debian's /etc/hosts entry
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert weight_group_host() == "10.1.2.3"
+
+
+# ---- the NCCL receiver -----------------------------------------------------------------------------
+
+def test_nccl_receiver_holds_one_received_weight_at_a_time():
+    from anytime.rollout.vllm.weights import received_one_at_a_time
+
+    layout = [(f"w{i}", (4, 4), "float32") for i in range(5)]
+    received, loaded, live_at_load = [], [], []
+
+    def receive(name, shape, dtype):
+        received.append(name)
+        return torch.full(shape, float(len(received)))
+
+    for name, tensor in received_one_at_a_time(layout, receive):   # the loader: copies, then asks for the next
+        live_at_load.append(len(received) - len(loaded))
+        loaded.append(name)
+    assert loaded == received == [n for n, _, _ in layout]
+    assert live_at_load == [1] * len(layout)
+
+
+def test_nccl_receiver_still_receives_every_weight_when_the_loader_stops_early():
+    """The sender broadcasts every weight: a receiver that stops taking them would hang it."""
+    import contextlib
+
+    from anytime.rollout.vllm.weights import received_one_at_a_time
+
+    layout = [(f"w{i}", (2,), "float32") for i in range(4)]
+    received = []
+    with contextlib.closing(received_one_at_a_time(layout, lambda n, s, d: received.append(n) or torch.zeros(s))) as it:
+        next(it)   # the loader fails after the first weight
+    assert received == [n for n, _, _ in layout]
+

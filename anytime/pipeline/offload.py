@@ -6,7 +6,8 @@ saves for backward (the per-rank activation memory the schedule simulator predic
 offloaded chunks it also moves those activations to host memory when the forward ends and
 brings them back before the backward: on CUDA into pinned buffers on side streams (D2H as the
 forward ends, H2D started by `prefetch` one action ahead of the backward); on CPU the copies are
-synchronous, which keeps the code path and the byte counts testable.
+synchronous, which keeps the code path and the byte counts testable. The streams and events come
+from a `streams` object (`torch.cuda` by default), so a test can check their ordering on the CPU.
 
 Unit of accounting and transfer: the byte range of one storage that the saved views cover.
 Saved tensors are often several views of one buffer (transposes, q/k/v splits): the range is
@@ -77,22 +78,32 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * size, (last + 1) * size
 
 
+def _keep_until_done(t: torch.Tensor, stream) -> None:
+    """Keep `t`'s block from being reused until the work queued on `stream` is done (only CUDA's
+    caching allocator hands a freed block to another stream's work)."""
+    if t.is_cuda:
+        t.record_stream(stream)
+
+
 class SavedActivations:
     """Per-(stage, microbatch) records of activations saved for backward; optional offload.
 
     `params`: weights of the stages; ops that save views of weights (nn.Linear saves weight.t())
-    are not activations and are neither counted nor moved.
+    are not activations and are neither counted nor moved. `streams`: what provides `Stream`,
+    `Event`, `stream` and `current_stream` for the asynchronous copies; `torch.cuda` on a CUDA
+    device, and none (synchronous copies) on the CPU unless a test passes a fake.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", params: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, device: torch.device | str = "cpu", params: Iterable[torch.Tensor] = (),
+                 streams=None) -> None:
         self.device = torch.device(device)
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
         self._records: dict[Hashable, _Record] = {}
         self.stats = OffloadStats()
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._d2h = torch.cuda.Stream(self.device)
-            self._h2d = torch.cuda.Stream(self.device)
+        self._streams = torch.cuda if streams is None and self.device.type == "cuda" else streams
+        if self._streams is not None:
+            self._d2h = self._streams.Stream(self.device)
+            self._h2d = self._streams.Stream(self.device)
 
     # -- forward -----------------------------------------------------------------------------
     @contextmanager
@@ -130,14 +141,14 @@ class SavedActivations:
             if rng.nbytes < MIN_OFFLOAD_BYTES:
                 continue
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(rng.storage)[rng.lo:rng.hi]
-            if self._cuda:
-                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._d2h):
-                    rng.host = torch.empty(rng.nbytes, dtype=torch.uint8, pin_memory=True)
+            if self._streams is not None:
+                self._d2h.wait_stream(self._streams.current_stream(self.device))
+                with self._streams.stream(self._d2h):
+                    rng.host = torch.empty(rng.nbytes, dtype=torch.uint8, pin_memory=src.is_cuda)
                     rng.host.copy_(src, non_blocking=True)
-                    rng.event = torch.cuda.Event()
+                    rng.event = self._streams.Event()
                     rng.event.record(self._d2h)
-                src.record_stream(self._d2h)  # the allocator keeps the block until the copy is done
+                _keep_until_done(src, self._d2h)
             else:
                 rng.host = src.clone()
             rng.storage = None
@@ -157,13 +168,15 @@ class SavedActivations:
                 self._reload(rng)
 
     def _reload(self, rng: _Range) -> None:
-        if self._cuda:
-            with torch.cuda.stream(self._h2d):
+        if self._streams is not None:
+            with self._streams.stream(self._h2d):
+                # rng.event guards the D2H copy that fills rng.host, queued on another stream.
+                self._h2d.wait_event(rng.event)
                 dev = torch.empty(rng.nbytes, dtype=torch.uint8, device=self.device)
                 dev.copy_(rng.host, non_blocking=True)
-                rng.event = torch.cuda.Event()
+                rng.event = self._streams.Event()
                 rng.event.record(self._h2d)
-            dev.record_stream(torch.cuda.current_stream(self.device))
+            _keep_until_done(dev, self._streams.current_stream(self.device))
             rng.reloaded = dev
         else:
             rng.reloaded = rng.host.clone()
@@ -179,7 +192,7 @@ class SavedActivations:
         if rng.reloaded is None:
             self._reload(rng)
         if rng.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(rng.event)
+            self._streams.current_stream(self.device).wait_event(rng.event)
         offset = (packed.offset * out.element_size() - rng.lo) // out.element_size()
         return out.set_(rng.reloaded.untyped_storage(), offset, packed.size, packed.stride)
 

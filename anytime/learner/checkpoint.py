@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng_state.pt"
+MASTER_WEIGHTS = "master_weights.safetensors"   # float32 masters of a bf16 / fp16 torch learner
 
 
 def rng_state() -> dict[str, Any]:
@@ -91,6 +92,34 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     tied = {k for k in missing if "lm_head" in k}
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def save_master_weights(masters: dict[str, torch.Tensor], folder: Path) -> None:
+    """A learner's float32 master weights (of a bf16 / fp16 model), by parameter name: the model
+    folder holds only their rounding, and a resume must continue from the masters."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous() for name, t in masters.items()}, folder / MASTER_WEIGHTS)
+
+
+@torch.no_grad()
+def load_master_weights(masters: dict[str, torch.Tensor], folder: Path) -> None:
+    """Copy a checkpoint's master weights into a live learner's `masters` (over the rounded weights
+    its model folder gave them); a checkpoint without them leaves those, with a warning."""
+    from safetensors.torch import load_file
+
+    path = folder / MASTER_WEIGHTS
+    if not path.is_file():
+        log.warning("checkpoint %s has no %s: its weights resume from the model folder's rounding", folder,
+                    MASTER_WEIGHTS)
+        return
+    saved = load_file(path)
+    if saved.keys() != masters.keys():
+        missing, unexpected = sorted(masters.keys() - saved.keys()), sorted(saved.keys() - masters.keys())
+        raise ValueError(f"checkpoint {path} does not match the learner's trainable weights: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    for name, weight in masters.items():
+        weight.copy_(saved[name])
 
 
 def save_hf_folder(config: Any, state: dict[str, torch.Tensor], folder: Path, tokenizer: Any = None,

@@ -4,6 +4,12 @@ loss is its share of the mini-batch loss: the normaliser is global).
 `TorchLearner` runs plain PyTorch AdamW; `anytime.learner.deepspeed_learner` runs the same
 micro-batch loop on a DeepSpeed ZeRO engine.
 
+Low-precision weights (`model.dtype: bfloat16` or `float16`): the torch learner holds its trainable
+weights in float32 (master weights) and runs its forward passes under autocast to that dtype, so
+AdamW steps below bf16's rounding of a weight (lr 1e-6 against ~2^-8 relative precision) are kept;
+what it hands on as a model (`full_state_dict`: the weight sync and the checkpoint's `model/`) is in
+that dtype, and its checkpoint keeps the float32 masters beside the optimizer state.
+
 Rows may be tree-packed (`anytime.batch.packing`): each micro-batch gets its position ids and
 attention mask from the rows' hidden key spans. Log-probs come from the decoder's hidden states
 through the LM head in chunks of tokens (`anytime.algo.logprobs.selected_logprobs`), only for the
@@ -70,7 +76,8 @@ class DataParallelLearner:
                 m.set_attn_implementation(impl)
         world = rank_world()[1]
         self.dp_size, self.dp_ranks = world, list(range(world))
-        self.autocast_bf16 = False   # the torch learner's `learner.bf16` (DeepSpeed's is its engine's own)
+        # the torch learner's forward autocast (`learner.bf16`, low-precision weights); DeepSpeed's is its engine's own
+        self.autocast_dtype: torch.dtype | None = None
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """(rows, micro-batch) packed by `learner.micro_batch_tokens`; ranks with fewer get empty ones
@@ -87,7 +94,8 @@ class DataParallelLearner:
         chunk = self.cfg.logprob_chunk_tokens
         chosen = mb.valid_mask if select is None else select
         chunks = max_across_ranks(head_chunks(int(chosen.sum()), chunk))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
             return forward_logprobs(model, mb, chosen, with_entropy=with_entropy, chunk_tokens=chunk, chunks=chunks,
                                     processing=self.processing)
 
@@ -168,13 +176,37 @@ class DataParallelLearner:
             load_model_weights(self.model, folder)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def upcast_to_masters(model: torch.nn.Module) -> tuple[torch.dtype | None, dict[str, torch.nn.Parameter]]:
+    """Cast the model's low-precision trainable weights to float32 in place: (their dtype, or None
+    when there are none; the upcast parameters by name, a tied weight once). Frozen weights keep
+    their dtype (nothing steps them)."""
+    masters = {n: p for n, p in model.named_parameters() if p.requires_grad and p.dtype in LOW_PRECISION}
+    dtypes = {p.dtype for p in masters.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"the trainable weights mix {sorted(map(str, dtypes))}: load the model in one dtype")
+    for p in masters.values():
+        p.data = p.data.float()   # same Parameter object: ties and hooks hold
+    return next(iter(dtypes), None), masters
+
+
 class TorchLearner(DataParallelLearner):
-    """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are summed at the step."""
+    """Plain PyTorch: AdamW with an LR schedule; across ranks, gradients are summed at the step.
+
+    A bf16 / fp16 model trains float32 masters of its trainable weights under autocast to its dtype
+    (`upcast_to_masters`): weights, gradients and AdamW state of those weights take twice the memory
+    of the model's dtype."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, total_steps: int,
                  ref_model: torch.nn.Module | None = None, peft_model: Any = None):
         super().__init__(model, cfg, ref_model, peft_model)
-        self.autocast_bf16 = cfg.bf16
+        self.weights_dtype, self.masters = upcast_to_masters(model)
+        # every state-dict name of an upcast weight (a tied weight has two)
+        upcast = {id(p) for p in self.masters.values()}
+        self._master_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in upcast}
+        self.autocast_dtype = self.weights_dtype or (torch.bfloat16 if cfg.bf16 else None)
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -197,16 +229,30 @@ class TorchLearner(DataParallelLearner):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """The model's weights in its own dtype: float32 masters are rounded to it (with LoRA, the
+        merge already casts the adapter's delta to the base weights' dtype)."""
+        state = super().full_state_dict(all_ranks)
+        if self.weights_dtype is None or self.peft_model is not None:
+            return state
+        return {k: v.to(self.weights_dtype) if k in self._master_keys else v for k, v in state.items()}
+
     def save(self, folder: Path) -> None:
+        from anytime.learner.checkpoint import save_master_weights
+
         self._save_adapter(folder)
         if is_main():  # the replicas are identical: one copy
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        folder / "optimizer.pt")
+            if self.masters:   # the checkpoint's model/ holds only their rounding to the model's dtype
+                save_master_weights(self.masters, folder)
 
     def load(self, folder: Path) -> None:
-        from anytime.learner.checkpoint import load_tensors
+        from anytime.learner.checkpoint import load_master_weights, load_tensors
 
         self._load_model(folder)
+        if self.masters:
+            load_master_weights(self.masters, folder)
         state = load_tensors(folder / "optimizer.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

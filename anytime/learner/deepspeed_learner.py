@@ -1,5 +1,6 @@
 """The DeepSpeed learner: the data-parallel micro-batch loop on a DeepSpeed ZeRO 0-3 engine (gloo
-and torch's AdamW on the CPU, so nothing is JIT-compiled there). DeepSpeed clips, skips steps with
+and torch's AdamW on the CPU, so nothing is JIT-compiled there; on CUDA, DeepSpeed's FusedAdam where
+it can be loaded, see `choose_adam`). DeepSpeed clips, skips steps with
 non-finite gradients, steps the LR schedule and writes its own sharded checkpoint.
 
 The helpers here (`initialize_engine`, `EngineStep`) also serve the pipelined DeepSpeed learner
@@ -9,15 +10,18 @@ The helpers here (`initialize_engine`, `EngineStep`) also serve the pipelined De
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from anytime.core.dist import is_main
 from anytime.learner.base import StepResult
 from anytime.learner.data_parallel import DataParallelLearner
 from anytime.learner.lr_schedules import lr_lambda
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from anytime.config import LearnerConfig
 
 CHECKPOINT_TAG = "deepspeed"
+log = logging.getLogger(__name__)
 
 
 def _init_single_process() -> None:
@@ -52,6 +57,80 @@ def _without_shared_memory_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def fused_adam_prebuilt() -> bool:
+    """Whether this DeepSpeed was installed with its FusedAdam op compiled for CUDA
+    (`DS_BUILD_FUSED_ADAM=1`); the PyPI wheel ships none. DeepSpeed's `OpBuilder.load` imports the
+    prebuilt op only when `installed_ops` lists it for the accelerator in use, else JIT-builds it."""
+    try:
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get("fused_adam")) and accelerator_name == "cuda"
+
+
+def cuda_toolkit() -> str | None:
+    """The nvcc DeepSpeed would JIT-build its CUDA ops with, or None. The build goes through
+    `torch.utils.cpp_extension.load`, which compiles with `CUDA_HOME/bin/nvcc` (torch finds CUDA_HOME
+    from $CUDA_HOME, nvcc on $PATH or /usr/local/cuda, which may be a runtime without nvcc)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    return nvcc if nvcc and os.access(nvcc, os.X_OK) else None
+
+
+@dataclass(frozen=True)
+class AdamChoice:
+    fused: bool   # DeepSpeed's FusedAdam; False: torch's AdamW (DeepSpeed's `torch_adam`)
+    reason: str
+
+
+NO_CUDA_TOOLKIT = "DeepSpeed's FusedAdam needs a CUDA toolkit (nvcc / CUDA_HOME) to build: using torch's AdamW"
+
+
+def choose_adam(cuda: bool, prebuilt: Callable[[], bool], toolkit: Callable[[], str | None]) -> AdamChoice:
+    """FusedAdam where DeepSpeed can load it: on CUDA, prebuilt or buildable with a CUDA toolkit.
+    DeepSpeed itself cannot tell: `FusedAdamBuilder.is_compatible()` answers True without looking for
+    nvcc, so `FusedAdam()` fails in its JIT build. The probes are called only as far as needed (the
+    learner passes its own, `anytime doctor` its replaceable ones)."""
+    if not cuda:
+        return AdamChoice(False, "no CUDA device: using torch's AdamW")
+    if prebuilt():
+        return AdamChoice(True, "DeepSpeed's FusedAdam, prebuilt with DeepSpeed")
+    nvcc = toolkit()
+    if nvcc:
+        return AdamChoice(True, f"DeepSpeed's FusedAdam, built on first use with {nvcc}")
+    return AdamChoice(False, NO_CUDA_TOOLKIT)
+
+
+def deepspeed_config(cfg: LearnerConfig, *, zero_stage: int, grad_clip: float | None = None,
+                     own_optimizer: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config for `initialize_engine`; `own_optimizer`: the caller passes its optimizer."""
+    ds_config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip if grad_clip is None else grad_clip,
+        "gradient_allreduce_op": "sum" if zero_stage < 3 else "mean",
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": cfg.bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if own_optimizer:
+        return ds_config
+    cuda = cuda_available()
+    adam = choose_adam(cuda, fused_adam_prebuilt, cuda_toolkit)
+    if is_main():
+        log.log(logging.WARNING if cuda and not adam.fused else logging.DEBUG, adam.reason)
+    ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas),
+                                                          "weight_decay": cfg.weight_decay,
+                                                          "torch_adam": not adam.fused}}
+    return ds_config
+
+
 def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], cfg: LearnerConfig,
                       total_steps: int, *, zero_stage: int, mpu: Any = None,
                       optimizer: torch.optim.Optimizer | None = None,
@@ -71,21 +150,8 @@ def initialize_engine(module: torch.nn.Module, params: Iterable[torch.nn.Paramet
         if "RANK" not in os.environ:
             _init_single_process()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    ds_config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip if grad_clip is None else grad_clip,
-        "gradient_allreduce_op": "sum" if zero_stage < 3 else "mean",
-        "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": cfg.bf16},
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas),
-                                                   "weight_decay": cfg.weight_decay,
-                                                   "torch_adam": not torch.cuda.is_available()}},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if optimizer is not None:
-        del ds_config["optimizer"]
+    ds_config = deepspeed_config(cfg, zero_stage=zero_stage, grad_clip=grad_clip,
+                                 own_optimizer=optimizer is not None)
     schedule = lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
     # DeepSpeed builds the scheduler on its base optimizer, steps it and checkpoints it itself.
     engine, ds_optimizer, _, scheduler = deepspeed.initialize(

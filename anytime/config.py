@@ -36,7 +36,7 @@ class ModelConfig:
         "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "hub name or local folder of the policy to train (a tiny model "
                                                      "is built there when `tiny` is on)")
     dtype: Annotated[str, Choice(defaults.DTYPES)] = opt(
-        "bfloat16", "weights and compute dtype of the learner and the engine")
+        "bfloat16", "weights/compute dtype; a bf16/fp16 torch learner trains fp32 master weights (2x weight memory)")
     trust_remote_code: bool = opt(False, "let transformers run the model repository's own code")
     tiny: bool = opt(False, "build a random tiny model at `path` first when the folder does not exist (CPU quickstart)")
     tiny_hidden_size: int = opt(128, "tiny model: hidden width")
@@ -112,6 +112,10 @@ class RolloutConfig:
     dynamic_sampling_max_draws: int = opt(
         3, "dynamic sampling: prompts drawn per slot at most (the data advances by this many per slot and step); a "
            "slot with no mixed group after them trains nothing that step")
+    seed_requests: bool = opt(
+        True, "a seed per sampled request (from the step's seed and its global index): every placement and worker "
+              "count samples the same tokens; false = the engine's own generator (vLLM skips its per-request "
+              "sampling path), samples then depend on batching and placement; the held-out eval stays seeded")
 
 
 @dataclass

@@ -12,6 +12,13 @@ workloads on a random tiny model:
   end each trace at its drawn length, a function of the trace's seed, so both schedules see the
   same traces (checked: ``streamed_equals_phased``); `--vllm-frontends llm,async` runs it on both of
   the vLLM engine's frontends (AsyncLLM's engine core runs in a process of its own).
+- ``seeds`` (vllm): the same generation of ``--seeds-prompts`` × ``--seeds-samples`` requests (every
+  sample is a vLLM request of its own; no stop tokens, so every request runs ``--seeds-tokens``) with
+  one seed per request, as every rollout samples by default, and unseeded (vLLM's own generator, what
+  ``rollout.seed_requests: false`` gives); paired runs, alternating which goes first. Also times one
+  call of vLLM's sampler on ``--seeds-rows`` rows of a ``--seeds-vocab`` vocabulary with a seeded
+  generator per row and with none: the CPU path (``TopKTopPSampler.forward_cpu``) and
+  ``random_sample``, the function that loops over seeded rows on a GPU (timed here on CPU tensors).
 
 Prints ``name: value`` lines:
   summary_prefix_reuse_speedup     hf summary-phase time, naive re-prefill / prefix reuse (fixed)
@@ -25,13 +32,20 @@ Prints ``name: value`` lines:
   ..._async                        the natural lines again on vLLM's AsyncLLM frontend (--vllm-frontends llm,async),
   rollout_s_streamed_async_over_llm  and its streamed rollout time over the stepped frontend's
   (medians over --repeats paired runs, alternating which schedule goes first)
+  requests, seeded_s, unseeded_s   seeds: vLLM requests, and the generation's time (median) each way
+  seeded_over_unseeded             seeds: seeded_s / unseeded_s
+  seeded_tokens_per_s, unseeded_tokens_per_s  seeds: generated tokens per second each way
+  sampler_cpu_ms_seeded, sampler_cpu_ms_unseeded        seeds: one forward_cpu call (median)
+  random_sample_ms_seeded, random_sample_ms_unseeded    seeds: one random_sample call (median)
+  sampler_cpu_us_per_seeded_row, random_sample_us_per_seeded_row  seeds: (seeded − unseeded) / rows
 
-Usage: python benchmarks/rollout.py [--workloads fixed,natural] [--engines hf,vllm] [--prompts 8] ...
+Usage: python benchmarks/rollout.py [--workloads fixed,natural,seeds] [--engines hf,vllm] [--prompts 8] ...
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -167,9 +181,71 @@ def _run_natural(model_dir: str, args, frontend: str) -> dict[str, float]:
     return {"think_s": think, "phased_s": rollout[False], "streamed_s": rollout[True], "same": float(same)}
 
 
+def _run_seeds(model_dir: str, args) -> dict[str, float]:
+    """Seeded vs unseeded vLLM generation of the same requests on one engine; medians of paired runs."""
+    import statistics
+
+    prompts, _ = _requests(model_dir, args.seeds_prompts)
+    bind = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    seeded = SamplingConfig(max_new_tokens=args.seeds_tokens, n=args.seeds_samples, temperature=1.0, seed=0)
+    unseeded = dataclasses.replace(seeded, seed=None)
+    max_len = max(len(p) for p in prompts) + args.seeds_tokens + 8
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, int] = {}
+    with create_engine("vllm", model_dir, max_model_len=max_len, seed=0, cpu_threads_bind=bind,
+                       kv_cache_gb=args.kv_cache_gb) as eng:
+        eng.generate(prompts, unseeded)  # warm-up; the prefix cache then holds every prompt for both
+        for rep in range(args.repeats):
+            for seed in ((True, False) if rep % 2 == 0 else (False, True)):
+                t0 = time.perf_counter()
+                out = eng.generate(prompts, seeded if seed else unseeded)
+                runs[seed].append(time.perf_counter() - t0)
+                tokens[seed] = sum(len(c.token_ids) for per_prompt in out for c in per_prompt)
+    res: dict[str, float] = {"requests": float(len(prompts) * args.seeds_samples)}
+    for seed, times in runs.items():
+        way = "seeded" if seed else "unseeded"
+        res[f"{way}_s"] = statistics.median(times)
+        res[f"{way}_tokens_per_s"] = tokens[seed] / res[f"{way}_s"]
+        print(f"# seeds, {way}: {len(prompts)} prompts x {args.seeds_samples} samples, {tokens[seed]} tokens in "
+              + ", ".join(f"{t:.2f}" for t in times) + " s", file=sys.stderr)
+    res.update(_time_sampler(args))
+    return res
+
+
+def _time_sampler(args) -> dict[str, float]:
+    """One call of vLLM's sampler on [rows, vocab] logits, every row with a seeded generator of its own
+    (what a seeded request brings) or none: `forward_cpu` (the CPU path) and `random_sample` (the
+    function that loops over seeded rows on a GPU; here on CPU tensors, so only its loop's cost)."""
+    import statistics
+
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, random_sample
+
+    rows, vocab = args.seeds_rows, args.seeds_vocab
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    gens = {i: torch.Generator().manual_seed(i) for i in range(rows)}
+    sampler = TopKTopPSampler()
+    calls = {
+        "sampler_cpu": lambda g: sampler.forward_cpu(logits.clone(), g, None, None),
+        "random_sample": lambda g: random_sample(logits.softmax(-1), g),
+    }
+    res: dict[str, float] = {}
+    for name, call in calls.items():
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(args.seeds_sampler_repeats + 1):
+            for seed in ((True, False) if rep % 2 == 0 else (False, True)):
+                t0 = time.perf_counter()
+                call(gens if seed else {})
+                if rep:  # the first pair warms up
+                    times[seed].append(time.perf_counter() - t0)
+        for seed, v in times.items():
+            res[f"{name}_ms_{'seeded' if seed else 'unseeded'}"] = 1000 * statistics.median(v)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="fixed,natural", help="fixed (never stops), natural (vllm, log-normal lengths)")
+    ap.add_argument("--workloads", default="fixed,natural",
+                    help="fixed (never stops), natural (vllm, log-normal lengths), seeds (vllm, seeded vs unseeded)")
     ap.add_argument("--engines", default="hf,vllm")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--traces", type=int, default=4)
@@ -182,6 +258,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="natural: paired phased/streamed runs")
     ap.add_argument("--vllm-frontends", default="llm",
                     help="natural: llm (vLLM's LLM stepped by anytime, in this process), async (AsyncLLM), or both")
+    ap.add_argument("--seeds-prompts", type=int, default=64, help="seeds: prompts")
+    ap.add_argument("--seeds-samples", type=int, default=8, help="seeds: samples per prompt (a vLLM request each)")
+    ap.add_argument("--seeds-tokens", type=int, default=48, help="seeds: tokens each request generates")
+    ap.add_argument("--seeds-rows", type=int, default=256,
+                    help="seeds: sampler rows (vLLM's CPU default max_num_seqs is 256)")
+    ap.add_argument("--seeds-vocab", type=int, default=1024,
+                    help="seeds: sampler vocabulary (small, so that the per-row loop, not the noise, dominates)")
+    ap.add_argument("--seeds-sampler-repeats", type=int, default=20, help="seeds: timed sampler calls each way")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25, help="vllm KV cache (0.25 GiB: ~128k tokens here)")
     ap.add_argument(
         "--threads",
@@ -215,6 +299,7 @@ def main() -> None:
             }
         natural = ({f: _run_natural(model_dir, args, f) for f in frontends}
                    if "natural" in workloads and "vllm" in engines else {})
+        seeds = _run_seeds(model_dir, args) if "seeds" in workloads and "vllm" in engines else None
 
     if "hf" in results:
         hf = results["hf"]
@@ -234,6 +319,18 @@ def main() -> None:
         print(f"streamed_equals_phased{tag}: {int(run['same'])}")
     if len(natural) == 2:
         print(f"rollout_s_streamed_async_over_llm: {natural['async']['streamed_s'] / natural['llm']['streamed_s']:.3f}")
+    if seeds is not None:
+        print(f"requests: {seeds['requests']:.0f}")
+        print(f"seeded_s: {seeds['seeded_s']:.3f}")
+        print(f"unseeded_s: {seeds['unseeded_s']:.3f}")
+        print(f"seeded_over_unseeded: {seeds['seeded_s'] / seeds['unseeded_s']:.3f}")
+        print(f"seeded_tokens_per_s: {seeds['seeded_tokens_per_s']:.0f}")
+        print(f"unseeded_tokens_per_s: {seeds['unseeded_tokens_per_s']:.0f}")
+        for name in ("sampler_cpu", "random_sample"):
+            for way in ("seeded", "unseeded"):
+                print(f"{name}_ms_{way}: {seeds[f'{name}_ms_{way}']:.3f}")
+            extra = (seeds[f"{name}_ms_seeded"] - seeds[f"{name}_ms_unseeded"]) * 1000 / args.seeds_rows
+            print(f"{name}_us_per_seeded_row: {extra:.2f}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ def check_rollout(r: Any) -> None:
     require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
     require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
             f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")
+    require(r.rollout.worker_restarts == 0 or r.rollout.seed_requests,
+            f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) regenerates a dead actor's rows with the same "
+            "samples, which needs seeded requests: set rollout.seed_requests=true or rollout.worker_restarts=0")
     require(k == 0 or not (shared or r.rollout.enable_sleep),
             "`rollout.max_staleness` > 0 needs rollouts apart from the learner: colocated rollouts and "
             "`rollout.enable_sleep` share its device and stay lock-step; use `rollout.placement: ray` or processes "

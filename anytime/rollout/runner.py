@@ -23,9 +23,8 @@ import torch
 from anytime.algo.budget import validate_grid
 from anytime.batch.anytime_rollout import AnytimeRollout, eos_zeroed, padded
 from anytime.reward.verifier import REASONS, RewardScorer, Verdict
-from anytime.rollout.engine import Branch, Completion, RolloutEngine, SamplingConfig
-from anytime.rollout.seeding import request_seeds
-from anytime.rollout.settings import AnytimeSettings
+from anytime.rollout.engine import Branch, Completion, RolloutEngine
+from anytime.rollout.settings import AnytimeSettings, sampling_configs
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -99,7 +98,7 @@ class AnytimeRolloutRunner:
             seed: int | None = None, prompt_index: Sequence[int] | None = None) -> AnytimeRollout:
         """`prompt_index`: each prompt's index in the whole step (default 0..B-1). Every sampled
         sequence is seeded from it, so a prompt samples the same traces and summaries whichever worker
-        rolls it out and whatever else that worker serves."""
+        rolls it out and whatever else that worker serves (unless `settings.seed_requests` is off)."""
         s = self.settings
         budgets = list(s.budgets if budgets is None else budgets)
         validate_grid(budgets)
@@ -131,15 +130,8 @@ class AnytimeRolloutRunner:
             offset = len(prompts[k // G])
             return [Branch(offset + br.cut, br.suffix) for br in plans[k][0]]
 
-        out = self.engine.generate_anytime(
-            prompts,
-            SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature, top_p=s.top_p,
-                           stop_token_ids=(self.think_end_id, *self.eos_ids), request_seeds=request_seeds(seed, index)),
-            plan,
-            SamplingConfig(max_new_tokens=s.summary_max_tokens, n=A, temperature=s.summary_temperature,
-                           top_p=s.top_p, stop_token_ids=self.eos_ids,
-                           request_seeds=request_seeds(seed + 1, [(p * G + g) * S + j for p in index
-                                                                  for g in range(G) for j in range(S)])))
+        thinking, summary = sampling_configs(s, budgets, seed, index, (self.think_end_id, *self.eos_ids), self.eos_ids)
+        out = self.engine.generate_anytime(prompts, thinking, plan, summary)
         # Streamed summaries overlap the thinking: `gen` runs to the end of the last trace and
         # `summaries` counts only the summary time after it (all of it when the engine runs phases).
         timings["gen"] = out.thinking_s

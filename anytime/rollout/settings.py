@@ -1,11 +1,13 @@
 """The rollout's settings (`AnytimeSettings`), built from a training recipe in one place
 (`training_settings`); the held-out eval builds its own from the recipe's eval section through
-`anytime.evaluation.options`, the same path as `anytime eval --recipe`. Also the engine's longest
-request under a recipe (`engine_max_len`).
+`anytime.evaluation.options`, the same path as `anytime eval --recipe` (always with seeded requests).
+Also the sampling configs of a rollout's thinking and summaries (`sampling_configs`) and the engine's
+longest request under a recipe (`engine_max_len`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ from anytime import defaults
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
+    from anytime.rollout.engine import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class AnytimeSettings:
     summary_temperature: float = 1.0
     seed: int = 0
     eos_ends_thinking: bool = False   # instruct models: EOS closes the thinking (see the runner)
+    # one seed per request (placement-invariant samples); False: unseeded, the engine's own generator
+    # (`rollout.seed_requests`)
+    seed_requests: bool = True
 
 
 def training_settings(recipe: Recipe) -> AnytimeSettings:
@@ -40,7 +46,30 @@ def training_settings(recipe: Recipe) -> AnytimeSettings:
                            close_text=s.close_text, header=s.header, think_end=s.think_end,
                            temperature=r.rollout.temperature, top_p=r.rollout.top_p,
                            summary_temperature=s.temperature, seed=r.trainer.seed,
-                           eos_ends_thinking=s.eos_ends_thinking)
+                           eos_ends_thinking=s.eos_ends_thinking, seed_requests=r.rollout.seed_requests)
+
+
+def sampling_configs(s: AnytimeSettings, budgets: Sequence[int], seed: int, prompt_index: Sequence[int],
+                     think_stop: Sequence[int], eos_ids: Sequence[int]) -> tuple[SamplingConfig, SamplingConfig]:
+    """The thinking and summary sampling of one rollout call. Seeded (`s.seed_requests`): one seed per
+    thinking request from (seed, the prompt's global index), one per summary branch from (seed + 1, its
+    global branch index), so a sample does not depend on the worker or batch that serves it. Unseeded:
+    no seeds at all (the engine samples from its own generator)."""
+    from anytime.rollout.engine import SamplingConfig
+    from anytime.rollout.seeding import request_seeds
+
+    G, S = s.traces_per_prompt, len(budgets)
+    think_seeds = summary_seeds = None
+    if s.seed_requests:
+        think_seeds = request_seeds(seed, prompt_index)
+        summary_seeds = request_seeds(seed + 1, [(p * G + g) * S + j for p in prompt_index
+                                                 for g in range(G) for j in range(S)])
+    thinking = SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature, top_p=s.top_p,
+                              stop_token_ids=tuple(think_stop), request_seeds=think_seeds)
+    summary = SamplingConfig(max_new_tokens=s.summary_max_tokens, n=s.summaries_per_budget,
+                             temperature=s.summary_temperature, top_p=s.top_p, stop_token_ids=tuple(eos_ids),
+                             request_seeds=summary_seeds)
+    return thinking, summary
 
 
 def text_tokens(tokenizer: Any, text: str) -> int:

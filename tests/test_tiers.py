@@ -1,6 +1,6 @@
 """The suite's own rules (`tests/tiers.py`), run on small suites written here: a test without exactly
-one tier marker fails collection by name, a unit test that starts a process fails, and a run that
-leaves a file behind fails naming it."""
+one tier marker fails collection by name, a unit test that starts a process fails, a gpu test skips
+with one reason where its devices are missing, and a run that leaves a file behind fails naming it."""
 
 from __future__ import annotations
 
@@ -57,6 +57,38 @@ def test_a_module_mark_counts_as_the_tier_of_each_test(inner):
             pass
     """)
     assert inner.runpytest_inprocess("-p", "tests.tiers").ret == pytest.ExitCode.OK
+
+
+GPU_SAMPLE = """
+    import pytest
+
+    pytestmark = pytest.mark.gpu
+
+    def test_one_gpu():
+        pass
+
+    @pytest.mark.gpus(2)
+    @pytest.mark.skipif(True, reason="a reason of its own")
+    def test_two_gpus():
+        pass
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("devices, one, two", [(0, "needs CUDA", "needs CUDA"), (1, None, "needs 2 GPUs"),
+                                               (2, None, "a reason of its own")])
+def test_gpu_tests_skip_with_one_reason_where_their_devices_are_missing(inner, monkeypatch, devices, one, two):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    inner.makepyfile(test_sample=GPU_SAMPLE)
+    result = inner.runpytest_inprocess("-p", "tests.tiers", "-m", "gpu")
+    assert result.ret == pytest.ExitCode.OK
+    reasons = {r.nodeid.split("::")[-1]: r.longrepr[2].removeprefix("Skipped: ")
+               for r in result.reprec.getreports("pytest_runtest_logreport") if r.skipped}
+    expected = {"test_one_gpu": one, "test_two_gpus": two}
+    assert reasons == {test: reason for test, reason in expected.items() if reason is not None}
 
 
 @pytest.mark.integration   # it starts a process itself, inside the inner run

@@ -1,10 +1,14 @@
 """The suite's rules, as a pytest plugin (loaded by `tests/conftest.py`):
 
 - **Tiers.** Every test carries exactly one of the markers `unit` (pure functions and small modules,
-  no child process), `integration` (engines, processes, Ray, DeepSpeed, a few training steps) or
-  `e2e` (whole runs through the CLI, real models). Collection fails, naming each test, when one has
-  none or more than one. A unit test that starts a child process fails; unit tests slower than
-  `UNIT_SECONDS` are listed at the end of the run (a list, never a failure: time is the machine's).
+  no child process), `integration` (engines, processes, Ray, DeepSpeed, a few training steps), `e2e`
+  (whole runs through the CLI, real models) or `gpu` (what needs CUDA: `tests/gpu/`). Collection
+  fails, naming each test, when one has none or more than one. A unit test that starts a child
+  process fails; unit tests slower than `UNIT_SECONDS` are listed at the end of the run (a list,
+  never a failure: time is the machine's).
+- **GPU tests skip alike.** Without a CUDA device every `gpu` test is skipped with the reason
+  "needs CUDA"; one marked `@pytest.mark.gpus(N)` is skipped with "needs N GPUs" on fewer (decided
+  at collection, before any fixture builds a model).
 - **Nothing left behind.** The run fails when it ends with a file in the temporary folder or
   `/dev/shm`, or a child process, that was not there when it started (multiprocessing's `pymp-*`
   folders, Ray sessions, torchrun's folders, weight files, semaphores, ...); the few `KNOWN_LEAKS`
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "e2e")
+TIERS = ("unit", "integration", "e2e", "gpu")
 UNIT_SECONDS = 2.0
 # Entries of the temporary folder that are not a run's leftovers: pytest's own tmp_path root, and
 # compiler caches shared by every run on the machine.
@@ -60,8 +64,10 @@ def tier_problems(items: list[pytest.Item]) -> list[str]:
 def pytest_configure(config: pytest.Config) -> None:
     for tier, what in (("unit", "pure functions and small modules: no child process, each under ~2 s"),
                        ("integration", "engines, processes, Ray, DeepSpeed, a few training steps"),
-                       ("e2e", "whole runs through the CLI, real models")):
+                       ("e2e", "whole runs through the CLI, real models"),
+                       ("gpu", "needs CUDA (skipped with 'needs CUDA' without a device): tests/gpu")):
         config.addinivalue_line("markers", f"{tier}: tier: {what}")
+    config.addinivalue_line("markers", "gpus(n): a gpu test that needs n GPUs (skipped with 'needs n GPUs' on fewer)")
     config.stash[_SLOW_UNITS] = []
     starts = config.stash[_STARTS] = [0]
 
@@ -77,11 +83,35 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu_tests_without_devices(items)
     if os.environ.get(AUDIT):
         return
     problems = tier_problems(items)
     if problems:
         raise pytest.UsageError("every test needs exactly one tier marker:\n  " + "\n  ".join(problems))
+
+
+def gpu_skip_reason(gpus: int) -> str | None:
+    """Why a test that needs `gpus` CUDA devices cannot run here, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if torch.cuda.device_count() < gpus:
+        return f"needs {gpus} GPUs"
+    return None
+
+
+def skip_gpu_tests_without_devices(items: list[pytest.Item]) -> None:
+    """Every `gpu` test skips the same way where its devices are missing. The mark goes first, so it
+    is the reason shown even for a test that also has a `skipif` of its own."""
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        wanted = item.get_closest_marker("gpus")
+        reason = gpu_skip_reason(int(wanted.args[0]) if wanted is not None else 1)
+        if reason is not None:
+            item.add_marker(pytest.mark.skipif(True, reason=reason), append=False)
 
 
 def _watched(item: pytest.Item) -> bool:

@@ -85,7 +85,7 @@ def test_ipc_sender_payload_crosses_collective_rpc_and_decodes_as_vllm_reads_it(
 
 
 def test_engine_core_with_ipc_weights_starts_with_the_decoding_switch_on():
-    from anytime.rollout.vllm.engine import engine_env
+    from anytime.rollout.vllm.process import engine_env
 
     assert engine_env(ipc_transfer=True) == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     assert engine_env(ipc_transfer=False) == {}
@@ -136,7 +136,7 @@ def test_learner_rank_r_engine_is_given_gpu_r(monkeypatch, local_rank):
     from vllm.engine.arg_utils import EngineArgs
 
     from anytime.core.dist import init_from_env
-    from anytime.rollout.vllm.engine import gpu_kwargs
+    from anytime.rollout.vllm.process import gpu_kwargs
 
     _Gpus(monkeypatch, 4)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -153,7 +153,7 @@ def test_learner_rank_r_engine_is_given_gpu_r(monkeypatch, local_rank):
 
 
 def test_engine_gpu_kwargs_name_the_ipc_backend_only_for_an_engine_of_its_own():
-    from anytime.rollout.vllm.engine import gpu_kwargs
+    from anytime.rollout.vllm.process import gpu_kwargs
 
     own = gpu_kwargs(2, gpu_memory_utilization=0.4, sleep=False, ipc_transfer=True)
     assert own["weight_transfer_config"] == {"backend": "ipc"} and own["device_ids"] == [2]

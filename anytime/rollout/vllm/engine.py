@@ -36,7 +36,8 @@ import torch
 from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
                                     SamplingConfig, check_lengths, check_logprobs_mode)
 from anytime.rollout.streaming import AnytimeStream, Request
-from anytime.rollout.vllm.process import RPC_PATH, inside_process_group, launcher_env_hidden, rendezvous_file
+from anytime.rollout.vllm.process import (RPC_PATH, engine_env, gpu_kwargs, inside_process_group,
+                                         launcher_env_hidden, rendezvous_file)
 from anytime.rollout.vllm.weights import AnytimeWorkerExtension, IpcWeightLoader
 from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
 
@@ -49,26 +50,6 @@ _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no floa
 def _served_rank(rank: int) -> int:
     """The smallest LoRA rank vLLM accepts as `max_lora_rank` that holds `rank`."""
     return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
-
-
-def gpu_kwargs(device_index: int, *, gpu_memory_utilization: float, sleep: bool, ipc_transfer: bool
-               ) -> dict[str, Any]:
-    """vLLM's arguments for an engine on this process's GPU `device_index` (what `torch.cuda.current_device()`
-    says: learner rank r's GPU, or the one a worker process or Ray actor was given). vLLM takes its device
-    from its own config, never from the caller's current device (plain "cuda" is GPU 0), so it is named:
-    `device_ids` counts within CUDA_VISIBLE_DEVICES, like torch's ordinals."""
-    kwargs: dict[str, Any] = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
-                                  device_ids=[device_index])
-    if ipc_transfer:
-        kwargs["weight_transfer_config"] = {"backend": "ipc"}
-    return kwargs
-
-
-def engine_env(ipc_transfer: bool) -> dict[str, str]:
-    """Variables for an engine core started in a process of its own. With CUDA IPC weights it must decode
-    the pickled handles `IpcWeightLoader` sends (vLLM's own rule for them); the socket that carries them
-    joins only this process and its engine core."""
-    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ipc_transfer else {}
 
 
 def _head_dim(config: Any) -> int:

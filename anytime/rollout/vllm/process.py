@@ -1,5 +1,6 @@
-"""Where a vLLM engine runs: in this process, or in a process of its own with the launcher's variables
-hidden and its sockets and temporary files in a folder the watchdog deletes."""
+"""Where a vLLM engine runs: on which GPU (`gpu_kwargs`); in this process, or in a process of its own
+with the launcher's variables hidden (and `engine_env` set), its sockets and temporary files in a folder
+the watchdog deletes."""
 
 from __future__ import annotations
 
@@ -46,3 +47,23 @@ def rendezvous_file(llm: Any) -> str | None:
         method = str(llm.collective_rpc(lambda worker: worker.distributed_init_method)[0])
         return method.removeprefix("file://") if method.startswith("file://") else None
     return None
+
+
+def gpu_kwargs(device_index: int, *, gpu_memory_utilization: float, sleep: bool, ipc_transfer: bool
+               ) -> dict[str, Any]:
+    """vLLM's arguments for an engine on this process's GPU `device_index` (what `torch.cuda.current_device()`
+    says: learner rank r's GPU, or the one a worker process or Ray actor was given). vLLM takes its device
+    from its own config, never from the caller's current device (plain "cuda" is GPU 0), so it is named:
+    `device_ids` counts within CUDA_VISIBLE_DEVICES, like torch's ordinals."""
+    kwargs: dict[str, Any] = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
+                                  device_ids=[device_index])
+    if ipc_transfer:
+        kwargs["weight_transfer_config"] = {"backend": "ipc"}
+    return kwargs
+
+
+def engine_env(ipc_transfer: bool) -> dict[str, str]:
+    """Variables for an engine core started in a process of its own. With CUDA IPC weights it must decode
+    the pickled handles `IpcWeightLoader` sends (vLLM's own rule for them); the socket that carries them
+    joins only this process and its engine core."""
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ipc_transfer else {}

@@ -20,7 +20,8 @@ from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPO
                           THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
 from anytime.algo.budget import even_grid, prior_probs, validate_grid
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
-from anytime.core.recipe_checks import check_data, check_lora, check_old_logprobs, check_rollout, require as _require
+from anytime.core.recipe_checks import (check_data, check_lora, check_old_logprobs, check_precision, check_rollout,
+                                        require as _require)
 from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
 from anytime.errors import RecipeError
@@ -263,9 +264,8 @@ class TrainerConfig:
     keep_last: int = opt(3, "checkpoints kept")
     resume: str = opt("auto", "auto (the newest checkpoint), never, or a checkpoint folder")
     num_threads: int = opt(0, "CPU threads per process for torch; 0 = torch's default")
-    dist_timeout_minutes: float = opt(
-        120.0, "learner processes: minutes a rank waits in a collective before the run fails; the other ranks wait "
-               "this long while rank 0 runs the warm start or the held-out eval alone")
+    dist_timeout_minutes: float = opt(120.0, "minutes a learner rank waits in a collective before the run fails (the "
+                                             "others wait while rank 0 runs the warm start or the held-out eval alone)")
 
 
 @dataclass
@@ -410,6 +410,7 @@ def validate(r: Recipe) -> None:
     _validate_pipeline(r)
     check_lora(r)
     check_old_logprobs(r)
+    check_precision(r)
     _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
              "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
     filler = r.data.synthetic_filler

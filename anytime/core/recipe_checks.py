@@ -74,6 +74,20 @@ def check_lora(r: Any) -> None:
             "partition the frozen base too): set learner.zero_stage=2")
 
 
+def check_precision(r: Any) -> None:
+    """Low-precision weights (`model.dtype` bfloat16 / float16) must be stepped through a float32 copy:
+    an lr-1e-6 AdamW step is mostly below bf16's rounding of a weight. The torch learner and DeepSpeed's
+    ZeRO 1-3 and bf16 modes keep one; the torch pipeline and DeepSpeed's plain ZeRO-0 would not."""
+    if r.model.dtype not in ("bfloat16", "float16"):
+        return
+    require(not (r.learner.backend == "torch" and r.learner.pipeline.stages > 1),
+            f"the torch pipeline learner would step `model.dtype: {r.model.dtype}` weights with no float32 copy, "
+            "losing small updates: use learner.backend=deepspeed (its ZeRO keeps one) or model.dtype=float32")
+    require(not (r.learner.backend == "deepspeed" and r.learner.zero_stage == 0 and not r.learner.bf16),
+            f"DeepSpeed ZeRO-0 without `learner.bf16` would step `model.dtype: {r.model.dtype}` weights with no "
+            "float32 copy, losing small updates: set learner.bf16=true, learner.zero_stage >= 1, or model.dtype=float32")
+
+
 def check_old_logprobs(r: Any) -> None:
     """`learner.old_logprobs: update` only where the recomputed ones would equal the update's own: one
     pass over one mini-batch, rolled out by these very weights, with nothing that reads them apart."""

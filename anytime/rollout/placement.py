@@ -132,7 +132,7 @@ def gpus_after_learners(learners: int, workers: int, per_worker: float = 1.0) ->
         raise ValueError(f"{workers} rollout workers with {per_worker:g} GPU each need {workers * per_worker:g} GPUs "
                          f"after the {learners} of the learner processes, and this machine has "
                          f"{torch.cuda.device_count()} in all: lower rollout.workers (or rollout.ray_gpus_per_worker), "
-                         "learner.num_processes, or use rollout.placement: colocated")
+                         "learner.num_processes, or use rollout.placement: colocated (lock-step only)")
     return free
 
 

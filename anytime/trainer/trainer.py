@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -97,6 +98,13 @@ def step_candidate_rows(step: int, prompts_per_step: int, draws: int, num_rows: 
     return [[(first + r * prompts_per_step + i) % num_rows for r in range(draws)] for i in range(prompts_per_step)]
 
 
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic algorithms; on CUDA, cuBLAS is deterministic only with a fixed workspace, and
+    torch raises at the first matmul without one (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS is called)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, model_path: str):
         from transformers import AutoTokenizer
@@ -109,7 +117,7 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
         if recipe.learner.deterministic:
-            torch.use_deterministic_algorithms(True)
+            use_deterministic_algorithms()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.learner = build_learner(recipe, model_path)

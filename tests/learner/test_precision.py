@@ -5,6 +5,8 @@ model stay bf16, and a resume restores the fp32 masters, not their bf16 rounding
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -94,3 +96,27 @@ def test_an_lr_1e6_step_reaches_bf16_weights_through_their_fp32_master(tied):
     if tied:
         assert torch.equal(now["lm_head.weight"], now["model.embed_tokens.weight"])
     assert any(not torch.equal(now[k], synced[k]) for k in synced), "5 steps left the bf16 weights unchanged"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides,message", [
+    (["learner.pipeline.stages=2"], "torch pipeline learner"),
+    (["learner.backend=deepspeed", "learner.zero_stage=0"], "ZeRO-0 without `learner.bf16`"),
+])
+def test_learners_without_a_float32_copy_of_bf16_weights_are_refused(overrides, message):
+    from anytime.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, ["model.dtype=bfloat16", *overrides])
+    load_recipe(None, ["model.dtype=float32", *overrides])   # float32 weights need no copy
+    load_recipe(None, ["model.dtype=bfloat16", "learner.backend=deepspeed", "learner.zero_stage=0", "learner.bf16=true"])
+
+
+@pytest.mark.unit
+def test_deterministic_runs_give_cublas_its_fixed_workspace(monkeypatch):
+    from anytime.trainer.trainer import use_deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on: None)
+    use_deterministic_algorithms()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

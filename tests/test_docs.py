@@ -36,6 +36,7 @@ BENCHMARK_SHORT = {
     "pipeline.py": ["--hidden", "64", "--rows", "8", "--layers", "4", "--microbatches", "4", "--rounds", "1",
                     "--warmup", "0", "--split-reps", "2", "--ranks", "2", "--no-deepspeed"],
     "schedules.py": ["--quick"],
+    "precision.py": ["--hidden", "64", "--layers", "1", "--vocab", "256"],
     "lora.py": ["--rows", "1", "--tokens", "16", "--reps", "1"],
     "async_rl.py": ["--steps", "2", "--skip", "1", "--warm-steps", "2", "--prompts", "2"],
 }

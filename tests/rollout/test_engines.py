@@ -353,10 +353,20 @@ def vllm_engine(model_dir):
 
 
 def weight_files() -> set[str]:
+    """Weight files written by this process or its children, or by a writer that is gone (a leak).
+    A live writer outside this process tree is another test's, running beside this one under
+    pytest-xdist."""
     import glob
     import tempfile
 
-    return {f for d in ("/dev/shm", tempfile.gettempdir()) for f in glob.glob(f"{d}/anytime-weights-*")}
+    import psutil
+
+    me = psutil.Process()
+    ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    files = {f for d in ("/dev/shm", tempfile.gettempdir()) for f in glob.glob(f"{d}/anytime-weights-*")}
+    writers = {f: os.path.basename(f).split("-")[2] for f in files}
+    return {f for f, pid in writers.items()
+            if not pid.isdigit() or int(pid) in ours or not psutil.pid_exists(int(pid))}
 
 
 def engine_processes_left(before: set[int]) -> list[list[str]]:

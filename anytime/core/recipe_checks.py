@@ -14,14 +14,25 @@ def require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
+def resolve_placement(r: Any, world: int | None = None) -> str:
+    """Where a run's rollouts go: `rollout.placement`, with `auto` resolved from the learner world
+    (default: the learner processes the recipe starts, pipeline stages included). The one rule, used by
+    the recipe checks, the run and `anytime doctor`."""
+    placement = r.rollout.placement
+    if placement != "auto":
+        return placement
+    if r.rollout.staleness_mode == "inflight":   # in flight needs a worker of its own
+        return "processes"
+    return "inprocess" if (r.learner.processes if world is None else world) == 1 else "colocated"
+
+
 def check_rollout(r: Any) -> None:
     """`rollout`: where workers run, staleness and in-flight updates (r: an `anytime.config.Recipe`)."""
-    inflight_auto = r.rollout.placement == "auto" and r.rollout.staleness_mode == "inflight"   # auto: processes
-    apart = r.rollout.placement in ("ray", "processes") or inflight_auto   # workers in processes of their own
+    placement = resolve_placement(r)
+    apart = placement in ("ray", "processes")   # workers in processes of their own
     require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
             "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
-    k, shared = r.rollout.max_staleness, r.rollout.placement == "colocated" or (
-        r.rollout.placement == "auto" and r.learner.num_processes > 1 and not inflight_auto)
+    k, shared = r.rollout.max_staleness, placement == "colocated"
     require(k >= 0, f"`rollout.max_staleness` must be >= 0 (0 = lock-step), got {k}")
     require(r.rollout.worker_restarts == 0 or (r.rollout.placement == "ray" and r.rollout.worker_restarts > 0),
             f"`rollout.worker_restarts` ({r.rollout.worker_restarts}) restarts Ray actors: needs placement ray, >= 0")

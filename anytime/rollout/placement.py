@@ -28,6 +28,7 @@ import torch
 
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
+from anytime.core.recipe_checks import resolve_placement
 from anytime.core.stats import add_sums
 from anytime.components import PLACEMENTS
 from anytime.rollout.worker import RolloutWorker, rollout_metrics
@@ -78,15 +79,6 @@ class Rollouts(Protocol):
     def wake_up(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-def resolve_placement(recipe: Recipe, world: int) -> str:
-    placement = recipe.rollout.placement
-    if placement == "auto":
-        if recipe.rollout.staleness_mode == "inflight":   # in flight needs a worker of its own
-            return "processes"
-        return "inprocess" if world == 1 else "colocated"
-    return placement
 
 
 def create_rollouts(recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> Rollouts:

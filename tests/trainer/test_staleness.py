@@ -30,9 +30,26 @@ def test_recipe_check_keeps_shared_devices_lock_step():
         load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=colocated"])
     with pytest.raises(RecipeError, match="share its device"):
         load_recipe(QUICKSTART, [*LOCKED, "learner.num_processes=2"])   # auto = colocated
+    with pytest.raises(RecipeError, match="share its device"):   # auto = colocated: 2 stages = 2 processes
+        load_recipe(QUICKSTART, [*LOCKED, "learner.pipeline.stages=2"])
     with pytest.raises(RecipeError, match="max_staleness` must be >= 0"):
         load_recipe(QUICKSTART, ["rollout.max_staleness=-1"])
     assert load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=ray"]).rollout.max_staleness == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra", [[], ["learner.num_processes=2"], ["learner.pipeline.stages=2"],
+                                   ["learner.pipeline.stages=2", "learner.num_processes=4"],
+                                   ["rollout.staleness_mode=inflight", "rollout.max_staleness=1"]])
+def test_the_check_and_the_run_resolve_auto_placement_alike(extra):
+    """One rule for `rollout.placement: auto`: the run resolves it from its learner world (a pipeline's
+    stages are processes too) to what the recipe checks saw."""
+    from anytime.core.recipe_checks import resolve_placement
+
+    recipe = load_recipe(QUICKSTART, extra)
+    world = recipe.learner.processes
+    want = "processes" if "rollout.staleness_mode=inflight" in extra else "inprocess" if world == 1 else "colocated"
+    assert resolve_placement(recipe) == resolve_placement(recipe, world) == want
 
 
 def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:

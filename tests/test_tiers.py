@@ -18,7 +18,14 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     monkeypatch.setenv(tiers.RUN_MARK, "inner-run")
     monkeypatch.delenv(tiers.AUDIT, raising=False)
     monkeypatch.setattr(tiers, "SETTLE_SECONDS", 0.2)
+    # the inner run gives itself a temporary folder (TMPDIR, tempfile's): ours come back afterwards
+    monkeypatch.setenv("TMPDIR", tempfile.gettempdir())
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
     return pytester
+
+
+def run_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("anytime-tests-*"))
 
 
 @pytest.mark.unit
@@ -123,13 +130,39 @@ def test_a_run_that_leaves_a_file_behind_fails_naming_it(inner):
         def test_leaves_a_file():
             os.close(tempfile.mkstemp(prefix="left-behind-")[0])
     """)
-    before = set(Path(tempfile.gettempdir()).glob("left-behind-*"))
+    folders = run_folders()
+    result = inner.runpytest_inprocess("-p", "tests.tiers")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*the test run left these behind*", "*/anytime-tests-*/left-behind-*"])
+    assert run_folders() == folders   # the run's own folder went, its leftovers with it
+
+
+@pytest.mark.integration   # it starts a process of another program
+def test_what_another_program_writes_meanwhile_is_not_the_runs_leak(inner):
+    """Files another program writes to the machine's temporary folder, and a /dev/shm entry of a live
+    process that is not the run's, leave a clean run clean."""
+    import os
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={k: v for k, v in os.environ.items() if k != tiers.RUN_MARK})
+    in_temp = Path(tempfile.gettempdir()) / f"another-program-{other.pid}"
+    in_shm = Path("/dev/shm") / f"anytime-weights-{other.pid}-x.safetensors"
+    inner.makepyfile(test_sample=f"""
+        import pytest
+
+        @pytest.mark.unit
+        def test_another_program_writes():   # as if the other program wrote them while the run ran
+            for path in ({str(in_temp)!r}, {str(in_shm)!r}):
+                open(path, "w").close()
+    """)
     try:
         result = inner.runpytest_inprocess("-p", "tests.tiers")
+        assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+        assert in_temp.exists() and in_shm.exists()
     finally:
-        left = set(Path(tempfile.gettempdir()).glob("left-behind-*")) - before
-        for path in left:
-            path.unlink()
-    assert len(left) == 1
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*the test run left these behind*", f"*{next(iter(left))}"])
+        other.kill()
+        other.wait()
+        for path in (in_temp, in_shm):
+            path.unlink(missing_ok=True)

@@ -9,16 +9,22 @@
 - **GPU tests skip alike.** Without a CUDA device every `gpu` test is skipped with the reason
   "needs CUDA"; one marked `@pytest.mark.gpus(N)` is skipped with "needs N GPUs" on fewer (decided
   at collection, before any fixture builds a model).
-- **Nothing left behind.** The run fails when it ends with a file in the temporary folder or
+- **Nothing left behind.** The run fails when it ends with a file in its temporary folder or
   `/dev/shm`, or a child process, that was not there when it started (multiprocessing's `pymp-*`
   folders, Ray sessions, torchrun's folders, weight files, semaphores, ...); the few `KNOWN_LEAKS`
-  are listed instead, until they are mended.
+  are listed instead, until they are mended. The run judges only itself: it gets a temporary folder
+  of its own (`TMPDIR`, inherited by every process it starts, removed at its end), so what another
+  program writes to the machine's temporary folder is not its leak; nor is a `/dev/shm` entry whose
+  name carries the pid of a live process that is not the run's.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +44,8 @@ SETTLE_SECONDS = 15.0
 # the leaks attributed; run without xdist so each test's leftovers are its own).
 AUDIT = "ANYTIME_TIER_AUDIT"
 RUN_MARK = "ANYTIME_TEST_RUN"
+# /dev/shm names that carry their writer's pid: our weight files, torch's shared-memory files.
+SHM_WRITER_PID = re.compile(r"^(?:anytime-weights-|torch_)(\d+)[-_]")
 # Left in the temporary folder by processes the suite kills on purpose, and listed rather than failed
 # until they are mended: multiprocessing folders of a killed process that no watchdog owned, a vLLM
 # engine's rendezvous file and socket folder whose process died without closing it. Measured on the
@@ -61,6 +69,7 @@ def tier_problems(items: list[pytest.Item]) -> list[str]:
     return problems
 
 
+@pytest.hookimpl(trylast=True)   # after tests/conftest.py has put Ray's folder (short paths) in the machine's
 def pytest_configure(config: pytest.Config) -> None:
     for tier, what in (("unit", "pure functions and small modules: no child process, each under ~2 s"),
                        ("integration", "engines, processes, Ray, DeepSpeed, a few training steps"),
@@ -79,7 +88,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _is_xdist_worker(config):
         # Every process the run starts inherits this mark, also those that outlive their parent.
         os.environ.setdefault(RUN_MARK, f"{os.getpid()}-{time.time_ns()}")
+        config.stash[_RUN_TEMP] = use_own_temporary_folder()
         config.stash[_BEFORE] = leftovers()
+
+
+def use_own_temporary_folder() -> str:
+    """A fresh temporary folder for this run and every process it starts (`TMPDIR`); pytest's
+    `tmp_path` roots and torch's compile cache stay in the machine's, shared between runs as before."""
+    system = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(system, f"torchinductor_{getpass.getuser()}"))
+    folder = tempfile.mkdtemp(prefix="anytime-tests-", dir=system)
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -188,6 +209,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(message, red=True)
         if session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(config.stash[_RUN_TEMP], ignore_errors=True)   # reported above; now gone
 
 
 def leftovers() -> set[str]:
@@ -198,14 +220,32 @@ def leftovers() -> set[str]:
 
     found = set()
     temp = Path(tempfile.gettempdir())
-    for folder in (temp, Path("/dev/shm")):
-        if folder.is_dir():
-            found |= {str(p) for p in folder.iterdir() if not p.name.startswith(KEPT_TEMP_PREFIXES)}
+    if temp.is_dir():
+        found |= {str(p) for p in temp.iterdir() if not p.name.startswith(KEPT_TEMP_PREFIXES)}
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        found |= {str(p) for p in shm.iterdir() if not _another_programs(p.name)}
     ray = temp / "ray"
     if ray.is_dir():   # Ray keeps one folder per session under /tmp/ray
         found |= {str(p) for p in ray.iterdir() if p.name.startswith("session_2")}
     own = multiprocessing.process.current_process()._config.get("tempdir")
     return (found - {own}) | _marked_processes()
+
+
+def _another_programs(shm_name: str) -> bool:
+    """Whether a /dev/shm entry was written by a live process that is not this run's (its pid is in
+    its name); entries without a pid, or of a dead writer, count as the run's."""
+    import psutil
+
+    match = SHM_WRITER_PID.match(shm_name)
+    if match is None or int(match[1]) == os.getpid():   # this process's environ predates the mark
+        return False
+    try:
+        return psutil.Process(int(match[1])).environ().get(RUN_MARK) != os.environ.get(RUN_MARK)
+    except psutil.AccessDenied:
+        return True
+    except psutil.Error:
+        return False
 
 
 def _marked_processes() -> set[str]:
@@ -253,6 +293,7 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 
 
 _BEFORE = pytest.StashKey[set]()
+_RUN_TEMP = pytest.StashKey[str]()
 _SLOW_UNITS = pytest.StashKey[list]()
 _CHILDREN = pytest.StashKey[tuple]()
 _STARTS = pytest.StashKey[list]()

@@ -34,7 +34,7 @@ def train(out: Path, *extra: str) -> dict[int, dict]:
 def weight_files() -> list[str]:
     """Weight files whose writer is gone (its pid is in the name): what a run leaked. A live writer's
     files belong to a run still going, such as another test's under pytest-xdist."""
-    files = glob.glob("/dev/shm/anytime-weights-*") + glob.glob(os.path.join("/tmp", "anytime-weights-*"))
+    files = glob.glob("/dev/shm/anytime-weights-*") + glob.glob(os.path.join(tempfile.gettempdir(), "anytime-weights-*"))
     return [f for f in files if not psutil.pid_exists(int(os.path.basename(f).split("-")[2]))]
 
 

@@ -283,7 +283,7 @@ class EvalConfig:
     budgets: list[int] | None = opt(None, "eval budgets; null = the training grid")
     benchmarks: list[str] = opt(
         factory=lambda: ["aime24", "amc22"],
-        doc="benchmarks of the held-out eval (eval/benchmarks.yaml names them)")
+        doc="benchmarks of the held-out eval (anytime/data/benchmarks.yaml names them)")
     data_dir: str | None = opt(None, "a folder of local benchmark files instead of the hub")
     samples: int = opt(1, "thinking traces per problem")
     limit: int | None = opt(None, "problems per benchmark (null = all)")

@@ -53,9 +53,6 @@ class AnytimeRollout:
         """r_j: mean summary score of each trace at each budget, [B, G, S]."""
         return self.scores.mean(-1)
 
-    def accuracy_per_budget(self) -> list[float]:
-        return self.scores.mean(dim=(0, 1, 3)).tolist()
-
     def failure_reasons(self) -> Counter:
         return Counter(REASONS[i] for i in self.reasons.flatten().tolist())
 

@@ -216,9 +216,6 @@ class TrainBatch:
                 groups.append([row])
         return groups
 
-    def micro_batches(self, token_budget: int) -> list[TrainBatch]:
-        return [self.select(rows) for rows in self.micro_batch_rows(token_budget)]
-
 
 @dataclass
 class MiniBatch:

@@ -1,5 +1,5 @@
 """The benchmark registry: names → where their rows live (hub or a local file), from
-`eval/benchmarks.yaml`. `synthetic` is built in (held-out problems of the quickstart task), and so is
+`anytime/data/benchmarks.yaml` (shipped in the package). `synthetic` is built in (held-out problems of the quickstart task), and so is
 every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.procedural`)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Benchmark:
 
 def registry_path() -> Path:
     env = os.environ.get(REGISTRY_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "eval" / "benchmarks.yaml"
+    return Path(env) if env else Path(__file__).with_name("benchmarks.yaml")
 
 
 def load_registry(path: Path | None = None) -> dict[str, Benchmark]:

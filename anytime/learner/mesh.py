@@ -37,10 +37,6 @@ class LearnerMesh:
         """The data-parallel rank of every global rank (the trainer scatters rows by it)."""
         return [rank % self.replicas for rank in range(self.stages * self.replicas)]
 
-    def pp_ranks(self, replica: int) -> list[int]:
-        """Global ranks of one replica's pipeline, stage order."""
-        return [stage * self.replicas + replica for stage in range(self.stages)]
-
 
 def build_mesh(stages: int, device_type: str = "cpu") -> LearnerMesh:
     """The mesh of the default process group, whose size must be a multiple of `stages`.

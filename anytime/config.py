@@ -8,7 +8,6 @@ prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,13 +17,12 @@ import yaml
 from anytime import defaults
 from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPOLICY_CORRECTIONS, SUMMARY_ESTIMATORS,
                           THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
-from anytime.algo.budget import even_grid, prior_probs, validate_grid
+from anytime.algo.budget import even_grid, prior_probs
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
-from anytime.core.recipe_checks import (check_data, check_lora, check_old_logprobs, check_precision, check_rollout,
-                                        require as _require)
+from anytime.recipe_checks import check_recipe
 from anytime.core.recipe_files import parse_override, read_recipe_data
 from anytime.core.schema import build, keys, opt, reference
-from anytime.errors import RecipeError
+from anytime.errors import RecipeError  # noqa: F401 (callers catch it from here, with the schema)
 from anytime.pipeline import SCHEDULES
 from anytime.registry import Choice
 
@@ -338,112 +336,5 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     recipe = build(Recipe, data)
-    validate(recipe)
+    check_recipe(recipe)
     return recipe
-
-
-def _check_grid(key: str, grid: list[int], max_thinking: int) -> None:
-    try:
-        validate_grid(grid, max_thinking, name=f"`{key}`", limit_name="`budget.max_thinking`")
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
-
-
-def validate(r: Recipe) -> None:
-    """Cross-field checks, each naming the key to change."""
-    b = r.budget
-    _require(b.max_thinking > 0, f"`budget.max_thinking` must be positive, got {b.max_thinking}")
-    _require(b.num_budgets > 0, f"`budget.num_budgets` must be positive, got {b.num_budgets}")
-    if b.budgets is not None:
-        _check_grid("budget.budgets", b.budgets, b.max_thinking)
-    else:
-        _require(b.num_budgets <= b.max_thinking,
-                 f"`budget.num_budgets` ({b.num_budgets}) cannot exceed `budget.max_thinking` ({b.max_thinking})")
-    if b.prior == "explicit":
-        _require(b.probs is not None, "`budget.prior: explicit` needs `budget.probs` (one probability per budget)")
-        n = len(b.grid())
-        _require(len(b.probs) == n, f"`budget.probs` has {len(b.probs)} entries but there are {n} budgets")
-        _require(all(p >= 0 for p in b.probs), f"`budget.probs` must be non-negative, got {b.probs}")
-        _require(abs(sum(b.probs) - 1.0) <= 1e-6, f"`budget.probs` must sum to 1, got {sum(b.probs):.6g}")
-    else:
-        _require(b.probs is None, f"`budget.probs` is only used with `budget.prior: explicit` (prior is {b.prior!r})")
-    check_rollout(r)
-    for key in ("rollout.n", "rollout.prompts_per_step", "rollout.workers", "summary.n", "summary.max_tokens",
-                "data.max_prompt_len", "trainer.steps", "learner.ppo_epochs", "learner.mini_batch_prompts",
-                "learner.micro_batch_tokens", "learner.logprob_chunk_tokens", "learner.num_processes",
-                "learner.pipeline.stages", "learner.pipeline.microbatches", "eval.samples",
-                "rollout.dynamic_sampling_max_draws"):
-        value = functools.reduce(getattr, key.split("."), r)
-        _require(value > 0, f"`{key}` must be a positive integer, got {value}")
-    _require(r.eval.max_sample_records >= 0,
-             f"`eval.max_sample_records` must be >= 0 (0 writes no eval samples), got {r.eval.max_sample_records}")
-    _require(r.rollout.temperature > 0, f"`rollout.temperature` must be > 0, got {r.rollout.temperature}")
-    _require(r.eval.temperature >= 0, f"`eval.temperature` must be >= 0 (0 = greedy), got {r.eval.temperature}")
-    _require(0 < r.rollout.top_p <= 1, f"`rollout.top_p` must be in (0, 1], got {r.rollout.top_p}")
-    _require(r.learner.lr > 0, f"`learner.lr` must be > 0, got {r.learner.lr}")
-    _require(r.learner.grad_clip >= 0, f"`learner.grad_clip` must be >= 0 (0 = no clipping), got {r.learner.grad_clip}")
-    stage = r.learner.zero_stage
-    _require(stage in (0, 1, 2, 3), f"`learner.zero_stage` must be 0, 1, 2 or 3, got {stage}")
-    _require(len(r.learner.betas) == 2 and all(0 <= x < 1 for x in r.learner.betas),
-             f"`learner.betas` must be two numbers in [0, 1), got {r.learner.betas}")
-    _require(0 <= r.algorithm.clip_low < 1, f"`algorithm.clip_low` must be in [0, 1), got {r.algorithm.clip_low}")
-    _require(r.algorithm.clip_high >= 0, f"`algorithm.clip_high` must be >= 0, got {r.algorithm.clip_high}")
-    _require(0 < r.algorithm.decay <= 1, f"`algorithm.decay` (λ) must be in (0, 1], got {r.algorithm.decay}")
-    _require(r.algorithm.loss_norm_length is None or r.algorithm.loss_norm_length > 0,
-             f"`algorithm.loss_norm_length` must be a positive token count or null, got {r.algorithm.loss_norm_length}")
-    _require(r.algorithm.is_cap > 0, f"`algorithm.is_cap` must be > 0 (.inf for no cap), got {r.algorithm.is_cap}")
-    _require(r.algorithm.kl_coef == 0 or r.learner.reference_model,
-             "`algorithm.kl_coef` > 0 needs `learner.reference_model: true`")
-    _require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")
-    _require(r.trainer.dist_timeout_minutes > 0,
-             f"`trainer.dist_timeout_minutes` must be positive, got {r.trainer.dist_timeout_minutes}")
-    _require(r.summary.think_end in r.summary.close_text,
-             f"`summary.close_text` {r.summary.close_text!r} must contain `summary.think_end` {r.summary.think_end!r}")
-    _require(r.summary.header.strip() != "", "`summary.header` must not be blank; the verifier looks for it")
-    if r.rollout.max_model_len is not None:
-        need = r.data.max_prompt_len + b.max_thinking
-        _require(r.rollout.max_model_len >= need,
-                 f"`rollout.max_model_len` ({r.rollout.max_model_len}) is below max_prompt_len + max_thinking "
-                 f"({need}); raise it or lower `budget.max_thinking`")
-    if r.eval.budgets is not None:
-        _check_grid("eval.budgets", r.eval.budgets, b.max_thinking)
-    _validate_pipeline(r)
-    check_lora(r)
-    check_old_logprobs(r)
-    check_precision(r)
-    _require(r.data.synthetic_min_ops >= 1 and r.data.synthetic_min_ops <= r.data.synthetic_max_ops,
-             "`data.synthetic_min_ops` must be >= 1 and <= `data.synthetic_max_ops`")
-    filler = r.data.synthetic_filler
-    _require(0 <= filler < 1, f"`data.synthetic_filler` must be in [0, 1), got {filler}")
-    check_data(r)
-
-
-def _validate_pipeline(r: Recipe) -> None:
-    """`learner.pipeline.stages > 1`: a pipelined learner on P stages × D data-parallel replicas
-    (`learner.num_processes` = P·D; 1 means one replica), torch or DeepSpeed ZeRO-1/2 per stage."""
-    from anytime.pipeline.schedule import build_schedule
-
-    p, lc = r.learner.pipeline, r.learner
-    if p.stages == 1:
-        return
-    _require(lc.num_processes == 1 or lc.num_processes % p.stages == 0,
-             f"`learner.num_processes` ({lc.num_processes}) must be a multiple of `learner.pipeline.stages` "
-             f"({p.stages}): the learner runs stages × data-parallel replicas processes (e.g. "
-             f"learner.num_processes={2 * p.stages} for 2 replicas), or leave it at 1 for one replica")
-    _require(lc.backend == "torch" or lc.zero_stage in (1, 2),
-             f"`learner.zero_stage` is {lc.zero_stage}, but DeepSpeed on the pipeline (`learner.pipeline.stages` > 1) "
-             "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2 (or learner.pipeline.stages=1 for ZeRO-3)")
-    _require(p.microbatches >= p.stages,
-             f"`learner.pipeline.microbatches` ({p.microbatches}) must be >= stages ({p.stages})")
-    try:
-        schedule = build_schedule(p.schedule, p.stages, p.microbatches, p.chunks)
-    except ValueError as exc:
-        raise RecipeError(f"`learner.pipeline`: {exc}") from None
-    _require(all(0 <= c < schedule.chunks for c in p.offload_chunks),
-             f"`learner.pipeline.offload_chunks` {p.offload_chunks} must be chunk indices in 0..{schedule.chunks - 1}")
-    _require(not r.learner.reference_model and r.algorithm.kl_coef == 0,
-             "`learner.pipeline.stages` > 1 does not support a reference model (`algorithm.kl_coef` > 0); "
-             "set kl_coef: 0 and learner.reference_model: false, or learner.pipeline.stages: 1")
-    _require(not r.model.gradient_checkpointing,
-             "`model.gradient_checkpointing` is not supported with `learner.pipeline.stages` > 1; use "
-             "`learner.pipeline.offload_chunks` to save activation memory")

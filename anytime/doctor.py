@@ -236,7 +236,7 @@ def gpus_needed(recipe: Recipe, joins_ray_cluster: bool) -> tuple[int, str, list
     """(GPUs this node needs for `recipe`, what for, the keys that set that number). Learner rank r
     takes GPU r; rollout workers of their own (`processes`, a local Ray) take the GPUs after them
     (`anytime.rollout.placement.gpus_after_learners`); `inprocess` and `colocated` share the learners'."""
-    from anytime.core.recipe_checks import resolve_placement
+    from anytime.recipe_checks import resolve_placement
 
     learner, rollout = recipe.learner, recipe.rollout
     learners = learner.processes

@@ -135,7 +135,8 @@ def test_the_recipe_imports_nothing_that_reads_it():
 
 def test_top_level_is_small_and_modules_fit_in_a_head():
     top = [p.name for p in PACKAGE.glob("*.py")]
-    assert len(top) <= 8, f"{len(top)} modules directly in anytime/: {sorted(top)}"
+    # the entry points (cli, doctor), the recipe (config, its checks, defaults, components), errors, registry
+    assert len(top) <= 9, f"{len(top)} modules directly in anytime/: {sorted(top)}"
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines: {long}"
     recipe_lines = len((PACKAGE / "config.py").read_text().splitlines())

@@ -22,7 +22,6 @@ from anytime.core.dist import (
     scatter_tensors,
     sum_across_ranks,
 )
-from anytime.errors import RecipeError
 from anytime.rollout.placement import pin_cpus, run_worker, shares_by_rank, slowest, step_metrics
 from anytime.rollout.worker import RolloutWorker, adapter_of
 
@@ -88,9 +87,6 @@ class ColocatedRollouts(InProcessRollouts):
 
     def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
         rank, world = rank_world()
-        if recipe.rollout.prompts_per_step < world:
-            raise RecipeError(f"`rollout.placement: colocated` gives each of the {world} learner processes a share of "
-                              f"`rollout.prompts_per_step` ({recipe.rollout.prompts_per_step}); raise it to >= {world}")
         self.recipe, self.learner = recipe, learner
         self.dp = learner.dp_ranks[rank]
         # the ranks of this replica (pipeline stages) split its prompts and exchange their rows

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from anytime.batch.train_batch import TrainBatch
-from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
-from anytime.core.recipe_checks import resolve_placement
-from anytime.core.stats import add_sums
 from anytime.components import PLACEMENTS
+from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
+from anytime.core.stats import add_sums
+from anytime.recipe_checks import resolve_placement
 from anytime.rollout.worker import RolloutWorker, rollout_metrics
 
 if TYPE_CHECKING:

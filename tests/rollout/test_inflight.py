@@ -105,7 +105,7 @@ def test_the_mailbox_hands_over_only_the_newest_version():
 def test_recipe_check_refuses_what_cannot_swap_mid_generation(extra, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", *extra])
-    from anytime.core.recipe_checks import resolve_placement
+    from anytime.recipe_checks import resolve_placement
 
     auto = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"])
     assert resolve_placement(auto, 1) == "processes"   # auto gives in-flight workers a process of their own

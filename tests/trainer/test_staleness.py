@@ -32,6 +32,8 @@ def test_recipe_check_keeps_shared_devices_lock_step():
         load_recipe(QUICKSTART, [*LOCKED, "learner.num_processes=2"])   # auto = colocated
     with pytest.raises(RecipeError, match="share its device"):   # auto = colocated: 2 stages = 2 processes
         load_recipe(QUICKSTART, [*LOCKED, "learner.pipeline.stages=2"])
+    with pytest.raises(RecipeError, match="gives each of the 4 learner processes a share"):   # checked with the recipe
+        load_recipe(QUICKSTART, ["learner.num_processes=4", "rollout.prompts_per_step=2"])
     with pytest.raises(RecipeError, match="max_staleness` must be >= 0"):
         load_recipe(QUICKSTART, ["rollout.max_staleness=-1"])
     assert load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=ray"]).rollout.max_staleness == 1
@@ -44,7 +46,7 @@ def test_recipe_check_keeps_shared_devices_lock_step():
 def test_the_check_and_the_run_resolve_auto_placement_alike(extra):
     """One rule for `rollout.placement: auto`: the run resolves it from its learner world (a pipeline's
     stages are processes too) to what the recipe checks saw."""
-    from anytime.core.recipe_checks import resolve_placement
+    from anytime.recipe_checks import resolve_placement
 
     recipe = load_recipe(QUICKSTART, extra)
     world = recipe.learner.processes

@@ -48,7 +48,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from anytime.tasks import synthetic
-    from anytime.tasks.tiny import build_tiny_model
+    from anytime.models.tiny import build_tiny_model
 
     path = build_tiny_model(args.out, synthetic.corpus(), arch=args.arch, hidden_size=args.hidden_size,
                             num_layers=args.layers, seed=args.seed)

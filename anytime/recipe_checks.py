@@ -130,7 +130,7 @@ def check_data(r: Any) -> None:
     """`data`: a procedural task (`data.train: reasoning_gym:<task>`) exists, its knobs build it, and
     the eval benchmarks naming tasks name real ones; checked at load so a typo fails before any model
     loads. Imports reasoning-gym only for a recipe that names a task."""
-    from anytime.tasks.procedural import TaskError, check_task, make_dataset, task_name
+    from anytime.tasks.reasoning_gym import TaskError, check_task, make_dataset, task_name
 
     d, name = r.data, task_name(r.data.train)
     require(d.task_size > 0, f"`data.task_size` must be a positive integer, got {d.task_size}")

@@ -57,8 +57,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout to `name: value` lines
 
+from anytime.models.tiny import build_tiny_model  # noqa: E402
 from anytime.rollout.engine import Branch, SamplingConfig, create_engine  # noqa: E402
-from anytime.tasks.tiny import build_tiny_model  # noqa: E402
 
 
 def _corpus() -> list[str]:

@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     from anytime.tasks import synthetic
-    from anytime.tasks.tiny import build_tiny_model
+    from anytime.models.tiny import build_tiny_model
 
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     if "ray" in placements and importlib.util.find_spec("ray") is None:

@@ -52,7 +52,7 @@ def quickstart_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     from anytime.tasks import synthetic
-    from anytime.tasks.tiny import build_tiny_model
+    from anytime.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:  # the builder writes a (here tiny) model beside it
         return AutoTokenizer.from_pretrained(build_tiny_model(tmp, synthetic.corpus(), hidden_size=16,

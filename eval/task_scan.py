@@ -63,7 +63,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from anytime.data.procedural import heldout_task_rows
+    from anytime.data.task_splits import heldout_task_rows
     from anytime.evaluation.evaluate import evaluate_rows
     from anytime.reward.verifier import RewardScorer
     from anytime.rollout.engine import create_engine

@@ -46,16 +46,16 @@ def tiny_run_model() -> Path:
 
 
 def cached_tiny_model(name: str, corpus_size: int, **arch: int) -> Path:
-    """A tiny model (anytime.tasks.tiny.build_tiny_model) whose tokenizer is trained on `corpus_size`
+    """A tiny model (anytime.models.tiny.build_tiny_model) whose tokenizer is trained on `corpus_size`
     rows of the synthetic task's text, built once and kept in the cache."""
     def build(out: Path) -> None:
         from anytime.tasks import synthetic
-        from anytime.tasks.tiny import build_tiny_model
+        from anytime.models.tiny import build_tiny_model
 
         build_tiny_model(out, synthetic.corpus(corpus_size), **arch)
 
     return cached_model(name, {"corpus": corpus_size, **arch}, build,
-                        sources=("anytime/tasks/tiny.py", "anytime/tasks/synthetic.py"))
+                        sources=("anytime/models/tiny.py", "anytime/tasks/synthetic.py"))
 
 
 def cached_model(name: str, recipe: object, build: Callable[[Path], None], sources: tuple[str, ...]) -> Path:

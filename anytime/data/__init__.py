@@ -1,2 +1,2 @@
 """Prompt sets: training rows from the hub, local files or the synthetic task (`prompts`), the splits
-of a procedural task (`procedural`) and the benchmark registry of `anytime/data/benchmarks.yaml` (`benchmarks`)."""
+of a procedural task (`task_splits`) and the benchmark registry of `anytime/data/benchmarks.yaml` (`benchmarks`)."""

@@ -1,6 +1,6 @@
 """The benchmark registry: names → where their rows live (hub or a local file), from
 `anytime/data/benchmarks.yaml` (shipped in the package). `synthetic` is built in (held-out problems of the quickstart task), and so is
-every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.procedural`)."""
+every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.task_splits`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 
 from anytime import defaults
-from anytime.data.procedural import heldout_task_rows
 from anytime.data.prompts import DataError, PromptRow, load_rows, synthetic_rows
-from anytime.tasks.procedural import PREFIX, task_name
+from anytime.data.task_splits import heldout_task_rows
+from anytime.tasks.reasoning_gym import PREFIX, task_name
 
 REGISTRY_ENV = "ANYTIME_BENCHMARKS"
 SYNTHETIC = "synthetic"

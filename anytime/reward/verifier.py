@@ -9,7 +9,7 @@ the text (`read_answer`); it runs in the parent, so that identical (answer, gold
 batch — common at late budgets — are verified once and share the verdict. `score_one` is the same
 computation in-process, for tests and trusted input.
 
-A procedural task's gold (`anytime.tasks.procedural`: a mapping tagged ``task:
+A procedural task's gold (`anytime.tasks.reasoning_gym`: a mapping tagged ``task:
 reasoning_gym:<name>``) is judged by that task's own scorer instead of math-verify, in the same
 workers: math-verify's symbolic equality would pay ``\\boxed{6 - 2}`` for a question asking
 6 - 2, since it evaluates the expression (docs/evaluation.md says which judge fits which data).
@@ -36,7 +36,7 @@ from anytime.reward.answer import (
     sanitize,
 )
 from anytime.reward.pool import Failure, WorkerPool
-from anytime.tasks.procedural import TaskGold, TaskScorer, as_task_gold, is_full_credit
+from anytime.tasks.reasoning_gym import TaskGold, TaskScorer, as_task_gold, is_full_credit
 
 __all__ = [
     "DEFAULT_HEADER",

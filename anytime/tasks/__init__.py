@@ -1,2 +1,2 @@
-"""The synthetic task (`synthetic`) and the tiny models trained on its text (`tiny`): the CPU testbed;
-reasoning-gym's procedural tasks and their golds (`procedural`)."""
+"""The tasks problems come from: the synthetic task (`synthetic`), the CPU testbed; reasoning-gym's
+procedural tasks and their golds (`reasoning_gym`)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anytime.config import Recipe, load_recipe
-from anytime.tasks.procedural import task_name
+from anytime.tasks.reasoning_gym import task_name
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
     set_threads(recipe)
     path = recipe.model.path
     if recipe.model.tiny and not (Path(path) / "config.json").is_file():
-        from anytime.tasks.tiny import build_tiny_model
+        from anytime.models.tiny import build_tiny_model
 
         log.info("building a tiny model at %s", path)
         build_tiny_model(path, synthetic.corpus(), hidden_size=recipe.model.tiny_hidden_size,

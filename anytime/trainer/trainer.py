@@ -44,15 +44,15 @@ from anytime.algo.offpolicy import apply_offpolicy_correction
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import Recipe
 from anytime.core.dist import broadcast_object, rank_world
-from anytime.data.procedural import train_task_rows
 from anytime.data.prompts import SYNTHETIC_TRAIN_SEED, PromptRow, encode_prompts, load_rows, synthetic_rows
+from anytime.data.task_splits import train_task_rows
 from anytime.evaluation.in_training import evaluate_on_worker
 from anytime.evaluation.records import write_samples
 from anytime.learner import checkpoint as ckpt
 from anytime.learner.factory import build_learner
 from anytime.learner.ppo import logprob_mismatch, ppo_update
 from anytime.rollout.placement import create_rollouts
-from anytime.tasks.procedural import task_name
+from anytime.tasks.reasoning_gym import task_name
 from anytime.trainer.metrics import MetricsLogger, StageTimer
 
 log = logging.getLogger(__name__)

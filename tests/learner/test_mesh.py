@@ -303,7 +303,7 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
     assert sorted(p.name for p in (step / "deepspeed").glob("mp_rank_*")) == [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
     from anytime.tasks import synthetic
-    from anytime.tasks.tiny import _train_tokenizer
+    from anytime.models.tiny import _train_tokenizer
 
     _train_tokenizer(synthetic.corpus(20), 300).save_pretrained(step / "model")  # the test model came without one
     exported, diff = export_checkpoint(step, tmp_path / "hf")

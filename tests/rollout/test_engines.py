@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from anytime.models.tiny import build_tiny_model
 from anytime.rollout.engine import Branch, EngineError, SamplingConfig, create_engine
-from anytime.tasks.tiny import build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -25,7 +25,7 @@ def adapter_folders() -> set[str]:
 def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path):
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
-    from anytime.tasks.tiny import build_tiny_model
+    from anytime.models.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "tiny", CORPUS, seed=0))
     learner = _lora_learner(model_dir, dtype=torch.float32)

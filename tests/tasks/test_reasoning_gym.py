@@ -1,4 +1,4 @@
-"""Procedural tasks from reasoning-gym (`anytime.tasks.procedural`): names, knobs, golds and the
+"""Procedural tasks from reasoning-gym (`anytime.tasks.reasoning_gym`): names, knobs, golds and the
 task's own scorer, in this process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from anytime.tasks.procedural import (EVALUATING_SCORERS, TaskError, TaskGold, TaskScorer, as_task_gold, check_task,
+from anytime.tasks.reasoning_gym import (EVALUATING_SCORERS, TaskError, TaskGold, TaskScorer, as_task_gold, check_task,
                                       decode_entry, encode_entry, entries, make_dataset, make_gold, task_name)
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from anytime.data.procedural import heldout_task_rows, train_task_rows
+from anytime.data.task_splits import heldout_task_rows, train_task_rows
 from anytime.reward.verifier import THINK_END, RewardScorer, Verdict, score_one
 
 pytest.importorskip("reasoning_gym")

@@ -1,4 +1,4 @@
-"""Rows of a procedural task (`anytime.data.procedural`): the training split a recipe names, and the
+"""Rows of a procedural task (`anytime.data.task_splits`): the training split a recipe names, and the
 held-out split of the eval, disjoint from it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 from anytime.config import RecipeError, load_recipe
 from anytime.data.benchmarks import load_benchmark
-from anytime.data.procedural import TASK_EVAL_SEED, heldout_task_rows, train_task_rows
 from anytime.data.prompts import DataError, PromptRow
-from anytime.tasks.procedural import as_task_gold, entries
+from anytime.data.task_splits import TASK_EVAL_SEED, heldout_task_rows, train_task_rows
+from anytime.tasks.reasoning_gym import as_task_gold, entries
 from anytime.trainer.trainer import load_train_rows
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from anytime.tasks.tiny import SPECIAL_TOKENS, build_tiny_model
+from anytime.models.tiny import SPECIAL_TOKENS, build_tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -143,6 +143,17 @@ def test_top_level_is_small_and_modules_fit_in_a_head():
     assert recipe_lines < 450, f"anytime/config.py has {recipe_lines} lines: the recipe schema should stay readable"
 
 
+def test_functions_fit_on_a_screen():
+    """No function in the package is longer than 80 lines (decorators aside): a longer one is split
+    where its steps are."""
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, f"functions over 80 lines: {long}"
+
+
 def _registries() -> list:
     from anytime.registry import Registry
 

@@ -189,6 +189,34 @@ def simulate(
         w_mem_fraction = model.w_mem_fraction if model is not None else DEFAULT_W_MEM_FRACTION
     if not 0.0 <= w_mem_fraction <= 1.0:
         raise ValueError(f"w_mem_fraction must be in [0, 1], got {w_mem_fraction}")
+    timeline, free, messages = _run_actions(schedule, per_stage)
+    makespan = max(free) if timeline else 0.0
+    busy, idle, span_idle = _rank_times(timeline, p, makespan)
+    peaks = [_peak_memory(schedule.actions[r], v, w_mem_fraction) for r in range(p)]
+    result = SimResult(
+        schedule=schedule,
+        makespan=makespan,
+        busy=busy,
+        idle=idle,
+        span_idle=span_idle,
+        bubble_rate=max(idle) / makespan if makespan > 0 else 0.0,
+        peak_memory=peaks,
+        w_mem_fraction=w_mem_fraction,
+        p2p_messages=messages,
+        timeline=sorted(timeline, key=lambda t: (t.rank, t.start)),
+    )
+    if model is not None:
+        unit = model.stage_activation_bytes(p)
+        result.peak_memory_bytes = [pk * unit for pk in peaks]
+        result.p2p_bytes = messages * model.p2p_message_bytes()
+    return result
+
+
+def _run_actions(
+    schedule: Schedule, per_stage: Sequence[StageCosts]
+) -> tuple[list[TimedAction], list[float], int]:
+    """Play every rank's actions in order: the timeline, each rank's end time and the cross-rank sends."""
+    p, v, nstages = schedule.ranks, schedule.chunks, schedule.stages
     place = schedule.placement
 
     def duration(a: Action) -> float:
@@ -231,35 +259,23 @@ def simulate(
         if not progress:
             blocked = ", ".join(f"rank {r}: {schedule.actions[r][pos[r]]}" for r in range(p) if pos[r] < len(schedule.actions[r]))
             raise DeadlockError(f"schedule {schedule.name!r} deadlocks; next actions waiting forever: {blocked}")
+    return timeline, free, int(messages)
 
-    makespan = max(free) if timeline else 0.0
-    busy = [0.0] * p
-    first = [float("inf")] * p
-    last = [0.0] * p
+
+def _rank_times(
+    timeline: Sequence[TimedAction], ranks: int, makespan: float
+) -> tuple[list[float], list[float], list[float]]:
+    """Each rank's busy time, its idle time over the iteration and its idle time between first start and last end."""
+    busy = [0.0] * ranks
+    first = [float("inf")] * ranks
+    last = [0.0] * ranks
     for t in timeline:
         busy[t.rank] += t.end - t.start
         first[t.rank] = min(first[t.rank], t.start)
         last[t.rank] = max(last[t.rank], t.end)
     idle = [makespan - b for b in busy]
-    span_idle = [(last[r] - first[r]) - busy[r] if busy[r] else 0.0 for r in range(p)]
-    peaks = [_peak_memory(schedule.actions[r], v, w_mem_fraction) for r in range(p)]
-    result = SimResult(
-        schedule=schedule,
-        makespan=makespan,
-        busy=busy,
-        idle=idle,
-        span_idle=span_idle,
-        bubble_rate=max(idle) / makespan if makespan > 0 else 0.0,
-        peak_memory=peaks,
-        w_mem_fraction=w_mem_fraction,
-        p2p_messages=int(messages),
-        timeline=sorted(timeline, key=lambda t: (t.rank, t.start)),
-    )
-    if model is not None:
-        unit = model.stage_activation_bytes(p)
-        result.peak_memory_bytes = [pk * unit for pk in peaks]
-        result.p2p_bytes = int(messages) * model.p2p_message_bytes()
-    return result
+    span_idle = [(last[r] - first[r]) - busy[r] if busy[r] else 0.0 for r in range(ranks)]
+    return busy, idle, span_idle
 
 
 def _peak_memory(actions: Sequence[Action], chunks: int, w_mem_fraction: float) -> float:

@@ -106,7 +106,7 @@ class AnytimeRolloutRunner:
         if len(prompts) != len(golds):
             raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold answers")
         seed = s.seed if seed is None else seed
-        B, G, S, A = len(prompts), s.traces_per_prompt, len(budgets), s.summaries_per_budget
+        B, G = len(prompts), s.traces_per_prompt
         index = list(range(B)) if prompt_index is None else [int(i) for i in prompt_index]
         if len(index) != B:
             raise ValueError(f"{len(index)} prompt indices for {B} prompts")
@@ -117,16 +117,7 @@ class AnytimeRolloutRunner:
 
         def plan(k: int, trace: Completion) -> list[Branch]:
             """Trace k's summary branches, asked for by the engine as soon as the trace ends."""
-            ids = trace.token_ids
-            natural[k] = bool(ids) and ids[-1] == self.think_end_id
-            eos[k] = bool(ids) and ids[-1] in self.eos_ids
-            if eos[k] and s.eos_ends_thinking:
-                # an instruct model's EOS ends its thinking: a natural end, whose summaries are forced
-                # after the trace without its EOS (close + header) at every budget past it
-                natural[k], eos[k] = True, False
-                plans[k] = self.summary_plan(len(ids) - 1, False, False, budgets)
-            else:
-                plans[k] = self.summary_plan(len(ids), natural[k], eos[k], budgets)
+            plans[k], natural[k], eos[k] = self._trace_plan(trace.token_ids, budgets)
             offset = len(prompts[k // G])
             return [Branch(offset + br.cut, br.suffix) for br in plans[k][0]]
 
@@ -137,8 +128,31 @@ class AnytimeRolloutRunner:
         timings["gen"] = out.thinking_s
         timings["summaries"] = out.total_s - out.thinking_s
         traces = [c for per_prompt in out.traces for c in per_prompt]            # [B·G]
-        sampled = out.summaries
+        texts, gold_list, summaries = self._summary_texts(plans, natural, traces, out.summaries, golds)
+        start = time.perf_counter()
+        verdicts = self.scorer.score(texts, gold_list)
+        timings["reward"] = time.perf_counter() - start
+        self._zero_past_eos(verdicts, eos, traces, budgets)
+        assert len(verdicts) == B * G * len(budgets) * s.summaries_per_budget
+        return self._rollout(prompts, golds, budgets, traces=traces, summaries=summaries, plans=plans,
+                             natural=natural, eos=eos, verdicts=verdicts, texts=texts, timings=timings)
 
+    def _trace_plan(self, ids: Sequence[int],
+                    budgets: Sequence[int]) -> tuple[tuple[list[Branch], list[int]], bool, bool]:
+        """A finished trace's `summary_plan`, and whether it ended by itself and whether on EOS."""
+        natural = bool(ids) and ids[-1] == self.think_end_id
+        eos = bool(ids) and ids[-1] in self.eos_ids
+        if eos and self.settings.eos_ends_thinking:
+            # an instruct model's EOS ends its thinking: a natural end, whose summaries are forced
+            # after the trace without its EOS (close + header) at every budget past it
+            return self.summary_plan(len(ids) - 1, False, False, budgets), True, False
+        return self.summary_plan(len(ids), natural, eos, budgets), natural, eos
+
+    def _summary_texts(self, plans: Sequence[tuple[list[Branch], list[int]]], natural: Sequence[bool],
+                       traces: Sequence[Completion], sampled: Sequence[Sequence[Sequence[Completion]]],
+                       golds: Sequence[Any]) -> tuple[list[str], list[Any], list[Completion]]:
+        """The verifier's inputs, one per summary [B·G·S·A]: its text, its gold answer, and the summary."""
+        G = self.settings.traces_per_prompt
         texts, gold_list, summaries = [], [], []
         for k, ((branches, _), per_branch) in enumerate(zip(plans, sampled)):
             length = len(traces[k].token_ids)
@@ -147,17 +161,23 @@ class AnytimeRolloutRunner:
                     texts.append(self.summary_text(natural[k] and branch.cut == length, branch, comp.token_ids))
                     gold_list.append(golds[k // G])
                     summaries.append(comp)
-        start = time.perf_counter()
-        verdicts = self.scorer.score(texts, gold_list)
-        timings["reward"] = time.perf_counter() - start
-        # EOS inside the thinking scores 0 at the budgets at or past it (the official code's rule).
-        per_trace = S * A
+        return texts, gold_list, summaries
+
+    def _zero_past_eos(self, verdicts: list[Verdict], eos: Sequence[bool], traces: Sequence[Completion],
+                       budgets: Sequence[int]) -> None:
+        """EOS inside the thinking scores 0 at the budgets at or past it (the official code's rule)."""
+        S, A = len(budgets), self.settings.summaries_per_budget
         for i, verdict in enumerate(verdicts):
             k, j = divmod(i // A, S)
             if eos_zeroed(eos[k], len(traces[k].token_ids), budgets[j]):
                 verdicts[i] = Verdict(0.0, "bad_format", verdict.parsed)
-        assert len(verdicts) == B * G * per_trace
 
+    def _rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], budgets: list[int], *,
+                 traces: Sequence[Completion], summaries: Sequence[Completion],
+                 plans: Sequence[tuple[list[Branch], list[int]]], natural: Sequence[bool], eos: Sequence[bool],
+                 verdicts: Sequence[Verdict], texts: list[str], timings: dict[str, float]) -> AnytimeRollout:
+        """Everything sampled and scored, as padded [B, G, S, A] tensors."""
+        B, G, S, A = len(prompts), self.settings.traces_per_prompt, len(budgets), self.settings.summaries_per_budget
         cuts = [br.cut for branches, _ in plans for br in branches]
         stamped = all(len(c.versions) == len(c.token_ids) for c in (*traces, *summaries))
         versions = {"think_versions": padded([c.versions for c in traces], torch.long, (B, G)),

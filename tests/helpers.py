@@ -121,3 +121,19 @@ def _orphaned_multiprocessing_folders(since: float) -> set[str]:
         except OSError:   # removed meanwhile
             continue
     return orphans
+
+
+def written_here_or_orphaned(paths: set[str]) -> set[str]:
+    """The paths (weight files, /dev/shm entries) written by this process or its children, or by a
+    writer that is gone (a leak); a path whose name carries the pid of a live process outside this
+    process tree is another test's, running beside this one under pytest-xdist. Names without a
+    pid count as ours."""
+    import psutil
+
+    from tests.tiers import SHM_WRITER_PID
+
+    me = psutil.Process()
+    ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    writers = {path: SHM_WRITER_PID.match(os.path.basename(path)) for path in paths}
+    return {path for path, m in writers.items()
+            if m is None or int(m[1]) in ours or not psutil.pid_exists(int(m[1]))}

@@ -347,18 +347,6 @@ def test_anytime_train_with_deepspeed_on_a_two_by_two_mesh(tmp_path):
     assert names == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"] + [
         f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)]
     first_step_equals_the_flat_one(tmp_path, metrics, ("rollout.prompts_per_step=4",))
-    assert shm_left_by_this_process_tree(shm_before) == set()
+    from tests.helpers import written_here_or_orphaned
 
-
-def shm_left_by_this_process_tree(before: set[str]) -> set[str]:
-    """New /dev/shm entries, less those whose name carries the pid of a live process outside this
-    process tree (another test's, beside this one under pytest-xdist)."""
-    import psutil
-
-    from tests.tiers import SHM_WRITER_PID
-
-    me = psutil.Process()
-    ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
-    new = set(os.listdir("/dev/shm")) - before
-    return {n for n in new if (m := SHM_WRITER_PID.match(n)) is None or int(m[1]) in ours
-            or not psutil.pid_exists(int(m[1]))}
+    assert written_here_or_orphaned(set(os.listdir("/dev/shm")) - shm_before) == set()

@@ -353,20 +353,14 @@ def vllm_engine(model_dir):
 
 
 def weight_files() -> set[str]:
-    """Weight files written by this process or its children, or by a writer that is gone (a leak).
-    A live writer outside this process tree is another test's, running beside this one under
-    pytest-xdist."""
+    """Weight files of this process tree or of a dead writer (`tests.helpers.written_here_or_orphaned`)."""
     import glob
     import tempfile
 
-    import psutil
+    from tests.helpers import written_here_or_orphaned
 
-    me = psutil.Process()
-    ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
-    files = {f for d in ("/dev/shm", tempfile.gettempdir()) for f in glob.glob(f"{d}/anytime-weights-*")}
-    writers = {f: os.path.basename(f).split("-")[2] for f in files}
-    return {f for f, pid in writers.items()
-            if not pid.isdigit() or int(pid) in ours or not psutil.pid_exists(int(pid))}
+    return written_here_or_orphaned({f for d in ("/dev/shm", tempfile.gettempdir())
+                                     for f in glob.glob(f"{d}/anytime-weights-*")})
 
 
 def engine_processes_left(before: set[int]) -> list[list[str]]:

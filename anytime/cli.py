@@ -1,4 +1,4 @@
-"""The one entry point: `anytime train | sft | eval | export | schedule | config | tiny-model`.
+"""The one entry point: `anytime train | sft | eval | export | serve | schedule | config | tiny-model`.
 
 Each subcommand parses its own flags and hands over to the module that owns the concept; heavy
 modules are imported only by the subcommand that needs them, so `anytime config` stays instant.
@@ -56,6 +56,16 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from anytime.learner.export import serving_folder
+    from anytime.rollout.vllm import serve
+
+    args.path = str(serving_folder(Path(args.path)))   # a run folder: its newest checkpoint, exported
+    return serve.run(args)
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from anytime.pipeline import command
 
@@ -93,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_tiny_model)
+
+    from anytime.rollout.vllm import serve
+
+    p = sub.add_parser("serve", help=serve.__doc__.strip().splitlines()[0])
+    serve.add_arguments(p)
+    p.set_defaults(func=_cmd_serve)
 
     try:
         from anytime.pipeline import command as schedule_command

@@ -1,7 +1,9 @@
 """Export a training checkpoint as a Hugging Face model folder.
 
 `anytime export CKPT --out DIR [--force]` writes safetensors weights, config, tokenizer (with its
-chat template) and a generation config that `AutoModelForCausalLM.from_pretrained` and vLLM load.
+chat template) and a generation config that `AutoModelForCausalLM.from_pretrained` and vLLM load, and
+what serving needs (`anytime.learner.model_card`): the answer protocol, the eval's sampling and a model
+card.
 CKPT may be a learner checkpoint (`step_N/`, whose `model/` holds the full weights), a DeepSpeed
 ZeRO checkpoint folder (shards are consolidated with DeepSpeed's own zero_to_fp32, stage by stage
 for a pipeline mesh), or a plain
@@ -13,6 +15,7 @@ fixed batch and the max abs log-prob difference is printed.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,9 @@ from typing import Any
 import torch
 
 from anytime import defaults
+from anytime.learner.model_card import write_serving_files
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +136,8 @@ def export_lora(adapter_dir: Path, out: Path, *, adapter: bool, dtype: str | Non
         merged.save_pretrained(tmp, safe_serialization=True)
         _save_generation_config(tmp, merged.config, tokenizer)
     tokenizer.save_pretrained(tmp)
+    if not adapter:
+        write_serving_files(tmp, adapter_dir, tokenizer, name=str(out))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -175,12 +183,32 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, force: bool = False,
     tokenizer = AutoTokenizer.from_pretrained(src)
     tokenizer.save_pretrained(tmp)
     _save_generation_config(tmp, config, tokenizer)
+    write_serving_files(tmp, ckpt, tokenizer, name=str(out))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     diff = logprob_parity(learner, reloaded, _fixed_batch(tokenizer, config.vocab_size))
     return out, diff
+
+
+def serving_folder(path: Path) -> Path:
+    """An exported folder as is; a run folder's newest checkpoint exported into RUN/export."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / "config.json").is_file():
+        return path
+    steps = sorted((path / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[-1]))
+    if not steps:
+        raise FileNotFoundError(f"{path} is neither a model folder (no config.json) nor a run folder (no "
+                                "checkpoints/step_N): give the folder `anytime export` wrote")
+    out = path / "export"
+    stamp = out / ".exported_from"
+    if not (stamp.is_file() and stamp.read_text() == steps[-1].name):
+        log.info("exporting %s into %s", steps[-1], out)
+        export_checkpoint(steps[-1], out, force=True)
+        stamp.write_text(steps[-1].name)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

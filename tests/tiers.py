@@ -209,7 +209,27 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(message, red=True)
         if session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    shutil.rmtree(config.stash[_RUN_TEMP], ignore_errors=True)   # reported above; now gone
+    remove_run_folder(Path(config.stash[_RUN_TEMP]))   # reported above; now gone
+
+
+def remove_run_folder(folder: Path) -> None:
+    """Remove the run's folder now, but for multiprocessing's own folders (`pymp-*`): this process's is
+    removed by multiprocessing at exit, which fails if it is gone already; the run's folder follows it."""
+    deferred = False
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if entry.name.startswith("pymp-"):
+            deferred = True
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if not deferred:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    import multiprocessing.util
+
+    # multiprocessing removes its folder at exit priority -100; a lower priority runs after it
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(folder), True), exitpriority=-101)
 
 
 def leftovers() -> set[str]:

@@ -56,7 +56,8 @@ def model_card(name: str, protocol: AnswerProtocol, run: Path | None) -> str:
     table = ""
     if run is not None and (run / "final_eval.json").is_file():
         table = accuracy_table(json.loads((run / "final_eval.json").read_text()))
-    request = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is 17 * 23?"}],
+    problem = f"What is 17 * 23? {protocol.instruction}".strip()
+    request = json.dumps({"model": name, "messages": [{"role": "user", "content": problem}],
                           "thinking_token_budget": protocol.request_budget(b),
                           "max_tokens": protocol.request_budget(b) + 16 + protocol.summary_max_tokens,
                           "temperature": protocol.temperature, "top_p": protocol.top_p,
@@ -64,11 +65,11 @@ def model_card(name: str, protocol: AnswerProtocol, run: Path | None) -> str:
     rows = "\n".join(f"| {x} | {protocol.request_budget(x)} |" for x in budgets)
     return f"""# {name}
 
-An anytime-reasoning model trained with anytime (BRPO): it answers
-at any thinking budget. A trace cut at budget B is closed with {protocol.close_text!r}, the answer follows
-the header {protocol.header!r}, and the answer is at most {protocol.summary_max_tokens} tokens. The protocol
-is in `anytime_protocol.json`; `generation_config.json` holds the eval's sampling (temperature
-{protocol.temperature}, top-p {protocol.top_p}).
+An anytime-reasoning model trained with anytime (BRPO): it answers at any thinking budget. A trace cut
+at budget B is closed with {protocol.close_text!r}, the answer follows the header {protocol.header!r}
+and is at most {protocol.summary_max_tokens} tokens long. The eval appended {protocol.instruction!r} to
+every problem. The protocol is in `anytime_protocol.json`; `generation_config.json` holds the eval's
+sampling (temperature {protocol.temperature}, top-p {protocol.top_p}).
 
 ## Anytime eval of the run
 
@@ -81,18 +82,17 @@ anytime serve {name}
 ```
 
 `anytime serve` starts vLLM's OpenAI-compatible server with the reasoning settings the protocol needs
-(`anytime serve {name} --print-command` shows the plain `vllm serve` command). A request sets
-`thinking_token_budget`: vLLM counts it from `{protocol.think_start}`, so it includes the
-{protocol.start_tokens_in_prompt} token(s) the chat template puts after that marker and the
-{protocol.close_phrase_tokens} tokens of the close text's phrase. To think for B tokens, as the eval
-counted them:
+(`--print-command` shows the plain `vllm serve` command). A request sets `thinking_token_budget`. vLLM
+counts it from `{protocol.think_start}`, so it includes the {protocol.start_tokens_in_prompt} token(s) the
+chat template puts after that marker and the {protocol.close_phrase_tokens} tokens of the close text's
+phrase. To think for B tokens as the eval counted them:
 
 | budget B (eval) | thinking_token_budget |
 |---:|---:|
 {rows}
 
-(`skip_special_tokens: false` keeps the end marker in the text, where vLLM's reasoning parser looks for it
-to split the thinking, `reasoning`, from the answer, `content`.)
+`skip_special_tokens: false` keeps the end marker in the text, where vLLM's reasoning parser looks for it
+to split the thinking (`reasoning`) from the answer (`content`).
 
 ```bash
 curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'

@@ -43,6 +43,7 @@ class AnswerProtocol:
     temperature: float = 0.6
     top_p: float = 0.95
     eos_ends_thinking: bool = False
+    instruction: str = defaults.INSTRUCTION   # appended to every problem by the eval
     # tokens of the generation prompt after `think_start`, and of the close text's transition phrase,
     # both counted by vLLM's budget (see the module docstring); `measured` counts them on a tokenizer
     start_tokens_in_prompt: int = 1
@@ -54,14 +55,15 @@ class AnswerProtocol:
         made = cls(think_end=s.think_end, close_text=s.close_text, header=s.header,
                    summary_max_tokens=s.max_tokens, budgets=list(recipe.eval.budgets or recipe.budget.grid()),
                    temperature=recipe.eval.temperature, top_p=recipe.eval.top_p,
-                   eos_ends_thinking=s.eos_ends_thinking)
+                   eos_ends_thinking=s.eos_ends_thinking, instruction=recipe.data.instruction)
         return made.measured(tokenizer) if tokenizer is not None else made
 
     def measured(self, tokenizer: Any) -> AnswerProtocol:
         """This protocol with the token counts vLLM's budget includes measured on `tokenizer`; an error
         if vLLM's forced end would tokenise differently from the tokens `anytime eval` inserts."""
         check_split_tokenisation(tokenizer, self)
-        return dataclasses.replace(self, start_tokens_in_prompt=start_tokens_in_prompt(tokenizer, self.think_start),
+        start = thinking_start_marker(tokenizer)
+        return dataclasses.replace(self, think_start=start, start_tokens_in_prompt=start_tokens_in_prompt(tokenizer, start),
                                    close_phrase_tokens=len(encode(tokenizer, self.close_phrase)))
 
     @property
@@ -106,15 +108,36 @@ class AnswerProtocol:
                              "`anytime export` or delete the file to serve with the defaults") from exc
 
 
+def generation_prompt(tokenizer: Any) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+
+
+def thinking_start_marker(tokenizer: Any) -> str:
+    """The marker vLLM's budget counts from: `<think>` where the generation prompt opens the thinking with
+    it, else the special (added) token that comes last in the generation prompt (`<|im_start|>` of the assistant
+    turn, for chat models whose thinking starts right after the prompt). One token: vLLM's V1 runner
+    miscounts a budget whose marker spans several."""
+    prompt = generation_prompt(tokenizer)
+    if THINK_START in prompt:
+        return THINK_START
+    added = {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()}   # tokens of their own
+    special = [t for t in added if t and t in prompt]
+    if not special:
+        raise ValueError(f"the chat template's generation prompt ({prompt[-60:]!r}) holds neither {THINK_START!r} "
+                         "nor a special token to count a thinking budget from")
+    return max(special, key=prompt.rindex)
+
+
 def start_tokens_in_prompt(tokenizer: Any, think_start: str = THINK_START) -> int:
     """Tokens the chat template's generation prompt puts after its last `think_start`."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = generation_prompt(tokenizer)
     if think_start not in prompt:
-        raise ValueError(f"the chat template's generation prompt does not open the thinking with {think_start!r} "
-                         f"(it ends {prompt[-40:]!r}); vLLM's thinking budget counts from that marker")
+        raise ValueError(f"the chat template's generation prompt does not hold {think_start!r} (it ends "
+                         f"{prompt[-40:]!r}); vLLM's thinking budget counts from that marker")
+    if len(encode(tokenizer, think_start)) != 1:
+        raise ValueError(f"the start marker {think_start!r} is not one token: vLLM's V1 runner miscounts the budget")
     after = prompt[prompt.rindex(think_start) + len(think_start):]
-    return len(tokenizer(after, add_special_tokens=False)["input_ids"]) if after else 0
+    return len(encode(tokenizer, after)) if after else 0
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -44,8 +44,10 @@ def folder_protocol(folder: Path) -> AnswerProtocol:
                     "most %d tokens); export the model with `anytime export` to serve it with its own protocol",
                     folder, PROTOCOL_FILE, protocol.close_text, protocol.header, protocol.summary_max_tokens)
     if protocol.eos_ends_thinking:
-        log.warning("this model was trained with summary.eos_ends_thinking: its thinking may stop on EOS, which "
-                    "ends a served response, where `anytime eval` forces the answer after it")
+        log.warning("this model was trained with summary.eos_ends_thinking: its thinking stops on EOS, which ends a "
+                    "served response before any answer, where `anytime eval` forces the answer after it; served "
+                    "accuracy falls far below the eval's (eval/serving/README.md). Train the model to close its "
+                    "thinking with %r to serve it at a budget", protocol.think_end)
     return protocol
 
 

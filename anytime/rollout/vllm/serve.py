@@ -11,14 +11,24 @@ into RUN/export (`anytime.learner.export.serving_folder`). A request sets `think
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shlex
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from anytime.rollout.protocol import PROTOCOL_FILE, THINK_START, AnswerProtocol
+from anytime.rollout.vllm.process import RPC_PATH
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +88,40 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execv(sys.executable, argv)
     return 0   # not reached
+
+
+@contextlib.contextmanager
+def running_server(folder: str | Path, vllm_args: Sequence[str], log_path: str | Path,
+                   startup_s: float = 600) -> Iterator[str]:
+    """`anytime serve folder` on a free local port, in a process group of its own, until the block ends
+    (then the group is stopped: no engine process outlives it, and the sockets and temporary files vLLM
+    keeps in its own temporary folder go with it). Yields the server's base URL; its output goes to
+    `log_path`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "anytime.cli", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+           *vllm_args]
+    with open(log_path, "w") as log_file, tempfile.TemporaryDirectory(prefix="anytime-serve-") as own_temp:
+        env = {**os.environ, RPC_PATH: own_temp, "TMPDIR": own_temp}
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + startup_s
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=5):
+                        break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the server did not start; its output is in {log_path}") from None
+                    time.sleep(1)
+            yield f"{url}/v1"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

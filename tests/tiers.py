@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -203,13 +204,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         lines = "\n  ".join(sorted(known))
         reporter.write_line(f"known leaks, not yet mended (see KNOWN_LEAKS in tests/tiers.py):\n  {lines}", yellow=True)
     if left - known:
-        lines = "\n  ".join(sorted(left - known))
+        lines = "\n  ".join(describe(path) for path in sorted(left - known))
         message = f"the test run left these behind (each test must clean up after itself):\n  {lines}"
         if reporter is not None:
             reporter.write_line(message, red=True)
         if session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     remove_run_folder(Path(config.stash[_RUN_TEMP]))   # reported above; now gone
+
+
+def describe(path: str) -> str:
+    """A leftover with what it is and when it was written, to tell which test left it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return path
+    kind = "socket" if stat.S_ISSOCK(st.st_mode) else "folder" if stat.S_ISDIR(st.st_mode) else "file"
+    return f"{path} ({kind}, written {time.strftime('%H:%M:%S', time.localtime(st.st_mtime))})"
 
 
 def remove_run_folder(folder: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ phrase. To think for B tokens as the eval counted them:
 to split the thinking (`reasoning`) from the answer (`content`).
 
 ```bash
-curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{request}'
+curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(request)}
 ```
 """
 

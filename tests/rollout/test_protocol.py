@@ -50,3 +50,12 @@ def test_the_protocol_file_round_trips_and_a_wrong_one_says_what_to_do(tmp_path)
     (tmp_path / PROTOCOL_FILE).write_text('{"budgetz": [1]}')
     with pytest.raises(ValueError, match="unknown keys.*re-export the model"):
         AnswerProtocol.read(tmp_path)
+
+
+def test_the_model_card_table_reads_accuracy_per_budget_before_and_after_rl():
+    from anytime.learner.model_card import accuracy_table
+
+    table = accuracy_table({"before": {"eval/synthetic/acc@16": 0.1, "eval/synthetic/cut@16": 1.0},
+                            "after": {"eval/synthetic/acc@16": 0.5, "eval/synthetic/acc@32": 0.75}})
+    assert "| synthetic | 16 | 0.100 | 0.500 |" in table and "| synthetic | 32 | — | 0.750 |" in table
+    assert "cut" not in table and accuracy_table({}) == ""

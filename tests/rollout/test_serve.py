@@ -5,13 +5,8 @@ thinking before the budget), and refuses bad budgets with an HTTP 400."""
 import contextlib
 import importlib.util
 import json
-import os
+import shlex
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -59,44 +54,20 @@ def exported_run(tiny_model_dir, tmp_path_factory):
     return recipe, folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def served(folder: Path):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "anytime.cli", "serve", str(folder), "--port", str(port), "--host", "127.0.0.1",
-           "--max-model-len", "512", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
-           "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "tiny"]
-    log = open(folder.parent / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        import openai
+    import openai
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError("the server did not start:\n" + (folder.parent / "serve.log").read_text()[-3000:])
-                time.sleep(1)
-        yield client
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    from anytime.rollout.vllm.serve import running_server
+
+    flags = ["--max-model-len", "512", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
+             "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "tiny"]
+    log = folder.parent / "serve.log"
+    try:
+        with running_server(folder, flags, log, startup_s=300) as url:
+            yield openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()[-3000:]}") from None
 
 
 def _evaluated(recipe, folder: Path, n_problems: int):
@@ -185,7 +156,13 @@ def test_export_writes_the_protocol_the_sampling_and_a_model_card(exported_run):
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["temperature"] == recipe.eval.temperature and generation["top_p"] == recipe.eval.top_p
     card = (folder / "README.md").read_text()
-    assert f"anytime serve {folder}" in card and "thinking_token_budget" in card
+    assert f"anytime serve {folder}" in card and "No eval of the run was found" in card   # none beside it
+    # the request to paste is one shell command whose JSON asks for the first budget
+    curl = shlex.split(card.split("```bash\n")[-1].split("```")[0])
+    request = json.loads(curl[curl.index("-d") + 1])
+    from anytime.rollout.protocol import AnswerProtocol
+
+    assert request["thinking_token_budget"] == AnswerProtocol.read(folder).request_budget(protocol["budgets"][0])
 
 
 def test_serve_without_a_protocol_warns_what_it_assumed(tiny_model_dir, tmp_path, caplog):

@@ -52,6 +52,9 @@ SHM_WRITER_PID = re.compile(r"^(?:anytime-weights-|torch_)(\d+)[-_]")
 # engine's rendezvous file and socket folder whose process died without closing it. Measured on the
 # full suite (2026-12-04, two runs): 2-3 pymp-* folders, 1-3 vllm_dist_* files, 0-1 anytime-vllm-* folder.
 KNOWN_LEAKS = ("pymp-", "vllm_dist_", "anytime-vllm-")
+# vLLM's ZeroMQ sockets (uuid4 names) of a vLLM client killed before it closed its engine: 3 of them
+# in 2 of 3 full runs on 2026-12-06, not yet attributed to a test.
+KNOWN_LEAK_SOCKET = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 # Audit events of a process being started from Python (multiprocessing's spawn and forkserver start
 # theirs without one, but those children stay alive and are seen as such).
 PROCESS_STARTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system",
@@ -198,10 +201,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     deadline = time.monotonic() + SETTLE_SECONDS
     while (left := leftovers() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
-    known = {path for path in left if Path(path).name.startswith(KNOWN_LEAKS)}
+    known = {path for path in left if known_leak(path)}
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if known and reporter is not None:
-        lines = "\n  ".join(sorted(known))
+        lines = "\n  ".join(describe(path) for path in sorted(known))
         reporter.write_line(f"known leaks, not yet mended (see KNOWN_LEAKS in tests/tiers.py):\n  {lines}", yellow=True)
     if left - known:
         lines = "\n  ".join(describe(path) for path in sorted(left - known))
@@ -211,6 +214,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     remove_run_folder(Path(config.stash[_RUN_TEMP]))   # reported above; now gone
+
+
+def known_leak(path: str) -> bool:
+    name = Path(path).name
+    if name.startswith(KNOWN_LEAKS):
+        return True
+    try:
+        return bool(KNOWN_LEAK_SOCKET.match(name)) and stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def describe(path: str) -> str:

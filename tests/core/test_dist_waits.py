@@ -51,6 +51,25 @@ def _rank_zero_works_alone(rank: int, port: int, timeout_minutes: float, work_s:
         dist.destroy_process_group()
 
 
+def _rank_zero_works_then_leaves(rank: int, port: int, timeout_minutes: float, work_s: float, out: str) -> None:
+    """Rank 1 waits in the broadcast while rank 0 works; rank 0 then leaves without broadcasting. Only
+    rank 1's wait is under test: a broadcast to a rank that already gave up can abort rank 0 inside gloo
+    (SIGABRT), which says nothing about the timeout."""
+    from anytime.core.dist import broadcast_object
+
+    _join(rank, port, timeout_minutes)
+    result: dict[str, object] = {"left": True}
+    if rank == 0:
+        time.sleep(work_s)
+    else:
+        try:
+            result = {"got": broadcast_object(None)}
+        except Exception as exc:  # gloo's timeout
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def _run(tmp_path, target, *args) -> list[dict]:
     mp.spawn(target, args=(_free_port(), *args, str(tmp_path)), nprocs=2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -59,7 +78,7 @@ def _run(tmp_path, target, *args) -> list[dict]:
 def test_ranks_waiting_on_rank_zero_fail_only_past_the_recipes_timeout(tmp_path):
     (tmp_path / "short").mkdir()
     (tmp_path / "long").mkdir()
-    short = _run(tmp_path / "short", _rank_zero_works_alone, 0.04, 6.0)   # 2.4 s < 6 s of work alone
+    short = _run(tmp_path / "short", _rank_zero_works_then_leaves, 0.04, 6.0)   # 2.4 s < 6 s of work alone
     assert "timed out" in short[1].get("error", "").lower(), short
     long = _run(tmp_path / "long", _rank_zero_works_alone, 0.5, 6.0)     # 30 s > 6 s
     assert long == [{"got": "model path"}, {"got": "model path"}]

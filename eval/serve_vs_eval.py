@@ -22,10 +22,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,39 +57,15 @@ def run_eval(args: argparse.Namespace, out: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def server(model: str, max_model_len: int, log_path: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "anytime.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len), "--served-model-name", "model"]
-    if not _has_cuda():
-        cmd += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30)]
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        import openai
+    import openai
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=2, timeout=600)
-        probe = client.with_options(max_retries=0)
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                probe.models.list()
-                break
-            except openai.APIConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start; see {log_path}")
-                time.sleep(1)
-        yield client
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    from anytime.rollout.vllm.serve import running_server
+
+    flags = ["--max-model-len", str(max_model_len), "--served-model-name", "model"]
+    if not _has_cuda():
+        flags += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30)]
+    with running_server(model, flags, log_path) as url:
+        yield openai.OpenAI(base_url=url, api_key="-", max_retries=2, timeout=600)
 
 
 def _has_cuda() -> bool:

@@ -198,9 +198,11 @@ def serving_folder(path: Path) -> Path:
         raise FileNotFoundError(f"{path} does not exist")
     if (path / "config.json").is_file():
         return path
-    steps = sorted((path / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[-1]))
+    from anytime.learner.checkpoint import list_checkpoints
+
+    steps = list_checkpoints(path / "checkpoints")   # complete ones only, oldest first
     if not steps:
-        raise FileNotFoundError(f"{path} is neither a model folder (no config.json) nor a run folder (no "
+        raise FileNotFoundError(f"{path} is neither a model folder (no config.json) nor a run folder (no complete "
                                 "checkpoints/step_N): give the folder `anytime export` wrote")
     out = path / "export"
     stamp = out / ".exported_from"

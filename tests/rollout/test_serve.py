@@ -47,6 +47,7 @@ def exported_run(tiny_model_dir, tmp_path_factory):
     step = run / "checkpoints" / "step_1"
     step.parent.mkdir(parents=True)
     _model_that_closes_its_thinking(tiny_model_dir, step)
+    (step / "trainer_state.json").write_text("{}")   # what makes a run's checkpoint complete
     recipe = load_recipe("recipes/quickstart.yaml", RECIPE_OVERRIDES)
     (run / "recipe.yaml").write_text(recipe.to_yaml())
     folder, diff = export_checkpoint(step, run / "export")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from anytime.rollout.protocol import AnswerProtocol
+from anytime.rollout.protocol import AnswerProtocol, encode
 
 
 class _Tracked:
@@ -47,7 +47,7 @@ class AnswerProtocolProcessor(LogitsProcessor):
         tokenizer = cached_tokenizer_from_config(model_config=model_config)
 
         def ids(text: str) -> tuple[int, ...]:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
+            return tuple(encode(tokenizer, text))
 
         self.start_ids = ids(protocol.think_start)
         self.end_ids = ids(protocol.think_end)
@@ -65,9 +65,9 @@ class AnswerProtocolProcessor(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.requests.pop(index, None)
-        for index, params, _prompt_ids, output_ids in batch_update.added:
+        for index, params, prompt_ids, output_ids in batch_update.added:
             if params.thinking_token_budget is not None:
-                self.requests[index] = _Tracked(output_ids, self.phrase_start(params.thinking_token_budget, _prompt_ids))
+                self.requests[index] = _Tracked(output_ids, self.phrase_start(params.thinking_token_budget, prompt_ids))
             else:
                 self.requests.pop(index, None)
         for a, b, direction in batch_update.moved:

@@ -67,7 +67,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from anytime.pipeline import command
+    from anytime.analysis import schedule_command as command
 
     return command.run(args)
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     try:
-        from anytime.pipeline import command as schedule_command
+        from anytime.analysis import schedule_command
     except ImportError:  # the schedule library is part of the package; tolerate partial installs
         schedule_command = None
     if schedule_command is not None:

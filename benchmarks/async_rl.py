@@ -14,7 +14,7 @@ Four runs of `anytime train` (same model, recipe and steps):
 its requests kept, loads, relabels the weight version and resumes between two engine steps);
 `--vllm-frontend async` drives it through vLLM's AsyncLLM (its engine core in a process of its own,
 paused by `pause_generation` wherever it is when a version arrives).
-The simulator (`anytime.trainer.timeline`) is calibrated on the lock-step split run's measured phases
+The simulator (`anytime.analysis.timeline`) is calibrated on the lock-step split run's measured phases
 (rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
 think length, one core = one device, then predicts all three (so its lock-step split figure checks only
 the calibration and the overheads it leaves out).
@@ -48,8 +48,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROLLOUT_STAGES = ("gen", "summaries", "reward", "adv")
-LEARNER_STAGES = ("logprob", "update")
+ROLLOUT_STAGES = ("gen", "summaries", "reward")
+LEARNER_STAGES = ("adv", "pack", "logprob", "update")
 
 
 def train(out: Path, model: str, steps: int, overrides: list[str], cores: list[int] | None,
@@ -93,8 +93,8 @@ def simulate_runs(recipe, model: str, measured: list[dict], cores: int) -> dict[
     """The simulator calibrated on the lock-step split run: its three predictions."""
     from transformers import AutoTokenizer
 
+    from anytime.analysis.timeline import DecodeModel, Hardware, Split, Workload, simulate
     from anytime.data.prompts import render_prompt
-    from anytime.trainer.timeline import DecodeModel, Hardware, Split, Workload, simulate
 
     think = round(mean(measured, "train/think_len"))
     prompt = len(render_prompt(AutoTokenizer.from_pretrained(model), "Start with 3. Step 1: add 4. Step 2: add 5."))

@@ -215,8 +215,8 @@ def _replay_peak(actions, m_b: dict, m_w: dict) -> float:
 
 
 def _step_worker(rank: int, world: int, init_file: str, args, queue) -> None:
+    from anytime.analysis.schedule_sim import simulate
     from anytime.pipeline.schedule import Action, StageCosts
-    from anytime.pipeline.simulate import simulate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -14,9 +14,9 @@ import argparse
 import itertools
 import time
 
+from anytime.analysis.schedule_sim import simulate
 from anytime.pipeline import SCHEDULES
 from anytime.pipeline.schedule import StageCosts, build_schedule
-from anytime.pipeline.simulate import simulate
 
 
 def _makespan(name: str, p: int, m: int, costs: StageCosts, limit: float | None = None) -> float:

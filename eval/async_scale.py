@@ -1,4 +1,4 @@
-"""The step-timeline simulator (anytime.trainer.timeline) at the AnytimeReasoner paper's scale: 8 A100-80GB,
+"""The step-timeline simulator (anytime.analysis.timeline) at the AnytimeReasoner paper's scale: 8 A100-80GB,
 DeepSeek-R1-Distill-Qwen-1.5B, 64 prompts × 8 traces a step, budgets {2000, 4000, 6000, 8000}, 4 summaries
 of 128 tokens per cut. For each split of the 8 GPUs and each mode it predicts the steady-state step time
 and where it goes, over several shares of traces that reach the 8000-token cap (and, at the central
@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from anytime.trainer.timeline import DecodeModel, Hardware, Prediction, Split, Workload, simulate
+from anytime.analysis.timeline import DecodeModel, Hardware, Prediction, Split, Workload, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def breakdown_table(predictions: list[Prediction]) -> list[str]:
 def report(results: dict[str, list[Prediction]], central: str, steps: int) -> tuple[str, dict]:
     pick = {case: recommend(predictions) for case, predictions in results.items()}
     lines = ["# Asynchronous training at the paper's scale: predicted step times", "",
-             "Predicted by `python eval/async_scale.py` (anytime.trainer.timeline, "
+             "Predicted by `python eval/async_scale.py` (anytime.analysis.timeline, "
              f"{steps} simulated steps, means over the steady window). **Not run on GPUs:** every figure below is "
              "an assumption, not a measurement.", "", "## Assumptions", "",
              "| figure | value | why |", "|---|---|---|"]

@@ -2,20 +2,30 @@
 functions count; `if TYPE_CHECKING:` imports, which never run, do not) nor among its packages and
 top-level modules (type-checking imports count too: the layers stand one above the other), the
 recipe below every package that reads it, at most 8 modules directly in `anytime/`, none over 500
-lines, every registry entry importable, and `tests/` mirroring the package tree."""
+lines, every registry entry importable, `tests/` mirroring the package tree, and `anytime.analysis`
+(simulators, plots, `anytime schedule`) above the runtime: no runtime module imports it and a training
+run does not load it."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "anytime"
+ANALYSIS = "anytime.analysis"
+# The entry point, which may import `anytime.analysis` inside its functions (the `anytime schedule`
+# subcommand and its parser), never when it is imported.
+LAZY_ANALYSIS_IMPORTERS = {"anytime.cli"}
+# What a training run imports: the loop, its launcher and warm start, and the in-package engine,
+# placements and learners (the pipeline schedules are added from their registry).
+TRAINING_MODULES = ("anytime.trainer.trainer", "anytime.trainer.launch", "anytime.trainer.sft", "anytime.rollout.hf",
+                    "anytime.rollout.local", "anytime.learner.data_parallel", "anytime.learner.pipeline_learner")
 
 
 def _module_name(path: Path) -> str:
@@ -54,6 +64,39 @@ def _imports(tree: ast.AST, module: str, is_package: bool, type_checking: bool =
             visit(child)
 
     visit(tree)
+    return found
+
+
+def _on_import(tree: ast.AST) -> ast.AST:
+    """The part of a source that runs when it is imported: function bodies left out (class bodies
+    run, so they stay; their methods go)."""
+
+    class Strip(ast.NodeTransformer):
+        def visit_FunctionDef(self, node: ast.AST) -> None:
+            return None
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+    return Strip().visit(tree)
+
+
+def _in_analysis(module: str) -> bool:
+    return module == ANALYSIS or module.startswith(ANALYSIS + ".")
+
+
+def analysis_importers() -> dict[str, list[str]]:
+    """Runtime module -> the `anytime.analysis` modules it imports: at any depth and for type checking
+    too, except that the lazy importers (the CLI) are judged only on what runs when they are imported."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if _in_analysis(module):
+            continue
+        tree = ast.parse(path.read_text())
+        if module in LAZY_ANALYSIS_IMPORTERS:
+            tree = _on_import(tree)
+        if deps := sorted(d for d in _imports(tree, module, path.name == "__init__.py", True) if _in_analysis(d)):
+            found[module] = deps
     return found
 
 
@@ -96,10 +139,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.unit
 def test_no_import_circle_among_modules():
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("type_checking", [False, True], ids=["run-time", "type-checking-too"])
 def test_no_import_circle_among_packages(type_checking):
     """No package imports upward into one that imports it, counting the imports made only for type
@@ -114,6 +159,7 @@ def test_no_import_circle_among_packages(type_checking):
     assert cycle is None, "package import circle: " + " -> ".join(cycle or [])
 
 
+@pytest.mark.unit
 def test_the_checker_sees_a_circle_and_ignores_type_checking_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -124,6 +170,7 @@ def test_the_checker_sees_a_circle_and_ignores_type_checking_imports():
     assert "anytime.config" in _imports(ast.parse(source), "anytime.learner.x", False, type_checking=True)
 
 
+@pytest.mark.unit
 def test_the_recipe_imports_nothing_that_reads_it():
     """`anytime.config` sits below the packages it configures: no import of theirs, not even for type
     checking or inside a function; the names it checks come from `anytime.components`."""
@@ -133,6 +180,46 @@ def test_the_recipe_imports_nothing_that_reads_it():
     assert "anytime.components" in graph["anytime.config"]
 
 
+@pytest.mark.unit
+def test_no_runtime_module_imports_analysis():
+    """`anytime.analysis` (the step-timeline and pipeline-schedule simulators, their plots, `anytime
+    schedule`) imports the runtime, never the reverse: no module outside it imports it, not inside a
+    function nor for type checking, and no registry names it; the CLI may only inside its functions."""
+    assert (PACKAGE / "analysis" / "__init__.py").is_file()
+    assert not analysis_importers(), f"runtime modules importing {ANALYSIS}: {analysis_importers()}"
+    named = {f"{r.key}: {name}" for r in _registries() for name in r.names() if _in_analysis(r.target(name))}
+    assert not named, f"registry entries in {ANALYSIS} (a training run would import them): {sorted(named)}"
+
+
+@pytest.mark.unit
+def test_the_analysis_rule_sees_what_runs_on_import():
+    source = ("import anytime.analysis.timeline\nclass C:\n    from anytime.analysis import schedule_sim\n"
+              "    def f(self):\n        from anytime.analysis import schedule_plot\n"
+              "def g():\n    from anytime.analysis import schedule_command\n")
+    every = _imports(ast.parse(source), "anytime.cli", False)
+    on_import = _imports(_on_import(ast.parse(source)), "anytime.cli", False)
+    assert {"anytime.analysis.schedule_plot", "anytime.analysis.schedule_command"} <= every
+    assert {d for d in on_import if _in_analysis(d)} == {"anytime.analysis.timeline", "anytime.analysis",
+                                                         "anytime.analysis.schedule_sim"}
+
+
+@pytest.mark.integration
+def test_a_training_run_does_not_load_analysis():
+    """In a fresh interpreter, the training modules and every pipeline schedule load no
+    `anytime.analysis` module (what the static rule above cannot see: imports by name)."""
+    code = ("import importlib, sys\n"
+            f"for name in {TRAINING_MODULES!r}:\n    importlib.import_module(name)\n"
+            "from anytime.pipeline import SCHEDULES\n"
+            "for name in SCHEDULES:\n    SCHEDULES.get(name)\n"
+            "print(*sorted(m for m in sys.modules if m.startswith('anytime.')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = proc.stdout.split()
+    assert set(TRAINING_MODULES) <= set(loaded) and "anytime.pipeline.auto" in loaded
+    assert not [m for m in loaded if _in_analysis(m)], f"a training run loads {[m for m in loaded if _in_analysis(m)]}"
+
+
+@pytest.mark.unit
 def test_top_level_is_small_and_modules_fit_in_a_head():
     top = [p.name for p in PACKAGE.glob("*.py")]
     # the entry points (cli, doctor), the recipe (config, its checks, defaults, components), errors, registry
@@ -143,6 +230,7 @@ def test_top_level_is_small_and_modules_fit_in_a_head():
     assert recipe_lines < 450, f"anytime/config.py has {recipe_lines} lines: the recipe schema should stay readable"
 
 
+@pytest.mark.unit
 def test_functions_fit_on_a_screen():
     """No function in the package is longer than 80 lines (decorators aside): a longer one is split
     where its steps are."""
@@ -164,6 +252,7 @@ def _registries() -> list:
     return found
 
 
+@pytest.mark.unit
 def test_every_registry_entry_imports():
     registries = _registries()
     assert {r.key for r in registries} >= {"algorithm.estimator", "summary.estimator", "algorithm.variance_reduction",
@@ -175,6 +264,7 @@ def test_every_registry_entry_imports():
             assert registry.get(name) is not None, f"{registry.key}: {name}"
 
 
+@pytest.mark.unit
 def test_recipe_choices_are_the_registries_names():
     """A recipe's allowed values come from the registries: the error lists them, a new entry is allowed."""
     from anytime.algo import THINKING_ESTIMATORS
@@ -188,6 +278,7 @@ def test_recipe_choices_are_the_registries_names():
         assert load_recipe(None, [f"algorithm.estimator={name}"]).algorithm.estimator == name
 
 
+@pytest.mark.unit
 def test_tests_mirror_the_package():
     """Every test file sits in the folder of the package it tests (`tests/<package>/`), or at the top
     for what spans packages (the CLI, the layout, golden runs); `tests/gpu/` holds the gpu tier's

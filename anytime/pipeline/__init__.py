@@ -1,7 +1,7 @@
 """The zero-bubble pipeline-parallel backbone: schedules as data (`schedule` and the generators
-`schedules_1f1b`, `schedules_zb`, `schedules_v`, `auto`), their simulator and plots (`simulate`,
-`plot`, `command`), and the runtime that executes them on torch.distributed (`runtime`, `splitgrad`,
-`offload`, `postvalidate`, `partition`, `causal_lm`).
+`schedules_1f1b`, `schedules_zb`, `schedules_v`, `auto`) and the runtime that executes them on
+torch.distributed (`runtime`, `splitgrad`, `offload`, `postvalidate`, `partition`, `causal_lm`).
+Their simulator, plots and `anytime schedule` live in `anytime.analysis`, which no training run imports.
 """
 
 from anytime.registry import Registry

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from anytime.analysis.schedule_sim import simulate
 from anytime.pipeline import SCHEDULES
 from anytime.pipeline.schedule import (
     DEFAULT_W_MEM_FRACTION,
@@ -14,7 +15,6 @@ from anytime.pipeline.schedule import (
     loop_placement,
     v_placement,
 )
-from anytime.pipeline.simulate import simulate
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from anytime.analysis.schedule_sim import simulate
 from anytime.pipeline.schedule import StageCosts, build_schedule
-from anytime.pipeline.simulate import simulate
 
 EPS = 1e-9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from anytime.pipeline.simulate import SimResult
+from anytime.analysis.schedule_sim import SimResult
 
 KIND_COLOURS = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#C44E52"}
 KIND_LABELS = {"F": "F forward", "I": "I input backward", "W": "W weight backward", "B": "B fused backward"}

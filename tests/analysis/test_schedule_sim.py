@@ -1,4 +1,4 @@
-"""The discrete-event simulator: timing rules, comm latency, memory in bytes, deadlocks, exports."""
+"""The pipeline-schedule simulator and its plots: timing rules, comm latency, memory in bytes, deadlocks, exports."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from anytime.pipeline.plot import plot_timeline, text_timeline
+from anytime.analysis.schedule_plot import plot_timeline, text_timeline
+from anytime.analysis.schedule_sim import DeadlockError, ModelShape, simulate
 from anytime.pipeline.schedule import Action, Schedule, StageCosts, build_schedule
-from anytime.pipeline.simulate import DeadlockError, ModelShape, simulate
 
 pytestmark = pytest.mark.unit
 

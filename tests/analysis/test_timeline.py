@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from anytime.trainer.timeline import DecodeModel, Hardware, Split, Workload, calibrate, simulate
+from anytime.analysis.timeline import DecodeModel, Hardware, Split, Workload, calibrate, simulate
 
 REPO = Path(__file__).resolve().parents[2]
 DECODE = DecodeModel(latency_s=0.01, peak_tokens_per_s=1000.0)
@@ -185,7 +185,7 @@ def test_paper_scale_script_runs(tmp_path):
 @pytest.mark.unit
 def test_the_documented_example_runs(capsys):
     text = (REPO / "docs" / "async.md").read_text()
-    examples = [body for body in re.findall(r"```python\n(.*?)```", text, re.S) if "anytime.trainer.timeline" in body]
+    examples = [body for body in re.findall(r"```python\n(.*?)```", text, re.S) if "anytime.analysis.timeline" in body]
     assert examples, "docs/async.md lost its simulator example"
     for body in examples:
         exec(compile(body, "docs/async.md", "exec"), {})

@@ -4,7 +4,7 @@
     anytime schedule zb-v -p 4 -m 12 --plot zbv.png --trace zbv.json
     anytime schedule compare -p 4 -m 12
 
-Also runnable without the main CLI: ``python -m anytime.pipeline.command ...``.
+Also runnable without the main CLI: ``python -m anytime.analysis.schedule_command ...``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
+from anytime.analysis.schedule_sim import SimResult, simulate
 from anytime.pipeline import SCHEDULES
 from anytime.pipeline.schedule import StageCosts, build_schedule
-from anytime.pipeline.simulate import SimResult, simulate
 
 _TEXT_TIMELINE_MAX_WIDTH = 240
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"anytime schedule: error: {err}", file=sys.stderr)
         return 2
     if args.plot:
-        from anytime.pipeline.plot import plot_timeline
+        from anytime.analysis.schedule_plot import plot_timeline
 
         plot_timeline(result, args.plot)
     if args.trace:
@@ -86,7 +86,7 @@ def _simulate_one(name: str, args: argparse.Namespace, costs: StageCosts, chunks
 
 
 def _describe(result: SimResult) -> str:
-    from anytime.pipeline.plot import text_timeline
+    from anytime.analysis.schedule_plot import text_timeline
 
     s = result.schedule
 

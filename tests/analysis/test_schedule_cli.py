@@ -1,4 +1,4 @@
-"""`anytime schedule` (anytime/pipeline/command.py)."""
+"""`anytime schedule` (anytime/analysis/schedule_command.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from anytime.pipeline import SCHEDULES, command
+from anytime.analysis import schedule_command as command
+from anytime.pipeline import SCHEDULES
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -79,6 +80,6 @@ def test_errors_exit_2_with_a_message(capsys) -> None:
 
 @pytest.mark.integration
 def test_python_dash_m() -> None:
-    proc = subprocess.run([sys.executable, "-m", "anytime.pipeline.command", "1f1b", "-p", "2", "-m", "2", "--json"],
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run([sys.executable, "-m", "anytime.analysis.schedule_command", "1f1b", "-p", "2", "-m", "2",
+                           "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(proc.stdout)["makespan"] == 9

@@ -24,6 +24,14 @@ def field_choice(tp: Any) -> Choice | None:
     return None
 
 
+def field_choices(tp: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a choice (`Choice`) or `Literal` field; None for any other type."""
+    choice = field_choice(tp)
+    if choice is not None:
+        return choice.names()
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
 def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if field_choice(tp) is not None:
@@ -147,8 +155,21 @@ def keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
-def _default(f: dataclasses.Field) -> Any:
+def field_at(cls: type, key: str) -> tuple[dataclasses.Field, Any]:
+    """The field of a dotted key (`eval.temperature`) of schema `cls`, and its type."""
+    *sections, name = key.split(".")
+    for section in sections:
+        cls = typing.get_type_hints(cls, include_extras=True)[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name not in fields:
+        raise KeyError(f"{key!r} is not a key of {cls.__name__}")
+    return fields[name], typing.get_type_hints(cls, include_extras=True)[name]
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """A field's default (a fresh one for a field with a default factory)."""
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
 
 
 def _yaml_value(value: Any) -> str:
@@ -181,7 +202,7 @@ def reference(cls: type, title: str, intro: str) -> str:
             lines.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
             for f in leaves:
                 cell = _cell(f.metadata.get("doc", ""))
-                shown = _cell(_yaml_value(_default(f))).replace("\n", "\\n")
+                shown = _cell(_yaml_value(field_default(f))).replace("\n", "\\n")
                 lines.append(f"| `{prefix}{f.name}` | {_cell(type_name(hints[f.name]))} | `{shown}` | {cell} |")
             lines.append("")
         for f in dataclasses.fields(section_cls):

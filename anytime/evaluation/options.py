@@ -1,15 +1,15 @@
-"""What `anytime eval` runs with: built-in defaults, then a training recipe's eval settings
-(`--recipe`), then the flags given on the command line; and models given as training checkpoints,
-exported on the fly.
+"""What `anytime eval` runs with: the defaults, then a training recipe's eval settings (`--recipe`),
+then the flags given on the command line; and models given as training checkpoints, exported on the fly.
 
-A recipe supplies what the trainer's in-training eval uses, so offline numbers match the ones logged
-during training: budgets (`eval.budgets`, else the training grid), one summary per budget of
-`summary.max_tokens` with `summary.close_text` / `header` / `think_end`, sampled at
-`eval.temperature` like the thinking; `data.instruction`, `data.max_prompt_len`, `eval.benchmarks`,
-`eval.samples`, `eval.top_p`, `eval.seed` (the sampling seed), `eval.data_dir`, `eval.limit`,
-`model.dtype`, `rollout.engine` and `trainer.seed` (which held-out synthetic problems). Every training
-run saves its resolved recipe as `recipe.yaml`, so `anytime eval --recipe RUN/recipe.yaml --model
-RUN/checkpoints/step_N` scores a checkpoint exactly as the run's own eval did.
+Each option (`EvalOptions`) is either a recipe key's (`recipe_key`), whose default and flag help are
+read from that key's field of the recipe schema (`anytime.config`) and which `--recipe` sets from that
+key, or the eval's own (`eval_only`). A recipe supplies what the trainer's in-training eval uses, so
+offline numbers match the ones logged during training: one summary per budget, sampled at
+`eval.temperature` like the thinking; the budgets are `eval.budgets`, else the training grid. Without
+a recipe three defaults are the standalone eval's own: the paper's five benchmarks and its 250:8000:250
+budgets, and the sampling seed `--seed`. Every training run saves its resolved recipe as `recipe.yaml`,
+so `anytime eval --recipe RUN/recipe.yaml --model RUN/checkpoints/step_N` scores a checkpoint exactly
+as the run's own eval did.
 """
 
 from __future__ import annotations
@@ -20,13 +20,16 @@ import json
 import logging
 import shutil
 import tempfile
+import types
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anytime import defaults
+from anytime.config import Recipe, load_recipe
+from anytime.core.schema import field_at, field_choices, field_default
 
 log = logging.getLogger(__name__)
 
@@ -34,35 +37,71 @@ DEFAULT_BENCHMARKS = ("aime24", "amc22", "math500", "minerva", "olympiadbench")
 EXPORT_TOLERANCE = 1e-5   # max abs log-prob difference between a checkpoint and its export
 
 
+# --- the options, each a recipe key's or the eval's own ------------------------------------------
+
+def _frozen(value: Any) -> Any:
+    """A recipe value as an `EvalOptions` field holds it: lists as tuples, mappings as sorted pairs."""
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
+    return value
+
+
+def schema_default(key: str) -> Any:
+    """The recipe schema's default of a dotted key, frozen (`_frozen`)."""
+    return _frozen(field_default(field_at(Recipe, key)[0]))
+
+
+def recipe_key(key: str, *, default: Any = dataclasses.MISSING, note: str = "", flag: bool = True) -> Any:
+    """An option the recipe key `key` sets (`--recipe`): its default and its flag's help are the
+    schema field's. `default` only where the standalone eval deliberately differs (the flag's help
+    says so); `note` adds what the flag alone needs said; `flag=False`: set by a recipe only."""
+    own = default is not dataclasses.MISSING
+    return dataclasses.field(default=default if own else schema_default(key),
+                             metadata={"key": key, "own_default": own, "note": note, "flag": flag})
+
+
+def eval_only(default: Any, help: str) -> Any:
+    """An option of the eval alone, no recipe key's: its own default and help."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": True})
+
+
 @dataclass(frozen=True)
 class EvalOptions:
     """Every setting of an eval run that a recipe or a flag can set (flag names: `--` + dashes)."""
 
-    benchmarks: tuple[str, ...] = DEFAULT_BENCHMARKS
-    budgets: tuple[int, ...] = tuple(range(250, 8001, 250))
-    samples: int = 1                      # thinking traces per problem
-    summaries: int = 1                    # summaries per budget
-    summary_max_tokens: int = defaults.SUMMARY_MAX_TOKENS
-    close_text: str = defaults.CLOSE_TEXT
-    header: str = defaults.HEADER
-    think_end: str = defaults.THINK_END
-    instruction: str = defaults.INSTRUCTION
-    temperature: float = 0.6              # 0 = greedy
-    summary_temperature: float | None = None   # None: the thinking temperature
-    top_p: float = 0.95
-    seed: int = 0                         # picks the synthetic benchmark's problems; a run's trainer.seed
-    sample_seed: int | None = None        # of the sampled traces and summaries; None: `seed`
-    max_prompt_len: int = 1024
-    data_dir: str | None = None
-    limit: int | None = None
-    dtype: str = "bfloat16"
-    engine: str = "vllm"
-    eos_ends_thinking: bool = False       # instruct models: EOS closes the thinking (summary.eos_ends_thinking)
+    benchmarks: tuple[str, ...] = recipe_key(
+        "eval.benchmarks", default=DEFAULT_BENCHMARKS, note="a comma list")
+    budgets: tuple[int, ...] = recipe_key(
+        "eval.budgets", default=tuple(range(250, 8001, 250)), note="START:STOP:STEP or a comma list")
+    samples: int = recipe_key("eval.samples")
+    summaries: int = eval_only(1, "summaries per budget (default 1, as in the in-training eval; summary.n is "
+                                  "training's)")
+    summary_max_tokens: int = recipe_key("summary.max_tokens")
+    close_text: str = recipe_key("summary.close_text")
+    header: str = recipe_key("summary.header")
+    think_end: str = recipe_key("summary.think_end")
+    instruction: str = recipe_key("data.instruction")
+    temperature: float = recipe_key("eval.temperature")
+    summary_temperature: float | None = eval_only(
+        None, "sampling temperature of the summaries (default: --temperature; summary.temperature is training's)")
+    top_p: float = recipe_key("eval.top_p")
+    seed: int = recipe_key("trainer.seed", note="here: which held-out synthetic / task problems, and the "
+                                                "sampling seed unless --sample-seed")
+    sample_seed: int | None = recipe_key("eval.seed", default=None, note="without --recipe: --seed")
+    max_prompt_len: int = recipe_key("data.max_prompt_len")
+    data_dir: str | None = recipe_key("eval.data_dir")
+    limit: int | None = recipe_key("eval.limit")
+    dtype: str = recipe_key("model.dtype")
+    engine: str = recipe_key("rollout.engine")
+    eos_ends_thinking: bool = recipe_key("summary.eos_ends_thinking")
     # a recipe's procedural task (`data.train: reasoning_gym:<task>`): its knobs and training split,
-    # so that `eval.benchmarks: [reasoning_gym:<task>]` is the held-out split the run's own eval scores
-    train_task: str | None = None
-    task_config: tuple[tuple[str, Any], ...] = ()
-    task_size: int = 0
+    # so that `eval.benchmarks: [reasoning_gym:<task>]` is the held-out split the run's own eval scores;
+    # without a recipe there is no training split to avoid
+    train_task: str | None = recipe_key("data.train", default=None, flag=False)
+    task_config: tuple[tuple[str, Any], ...] = recipe_key("data.task_config", flag=False)
+    task_size: int = recipe_key("data.task_size", default=0, flag=False)
 
     @property
     def sampling_seed(self) -> int:
@@ -80,58 +119,79 @@ class EvalOptions:
                                eos_ends_thinking=self.eos_ends_thinking)
 
 
-def recipe_options(recipe: Any) -> dict[str, Any]:
-    """The eval settings of a training recipe, as the trainer's in-training eval uses them."""
-    ev, summary = recipe.eval, recipe.summary
-    return dict(benchmarks=tuple(ev.benchmarks), budgets=tuple(ev.budgets or recipe.budget.grid()),
-                samples=ev.samples, summaries=1, summary_max_tokens=summary.max_tokens,
-                close_text=summary.close_text, header=summary.header, think_end=summary.think_end,
-                instruction=recipe.data.instruction, temperature=ev.temperature, top_p=ev.top_p,
-                seed=recipe.trainer.seed, sample_seed=ev.seed,
-                max_prompt_len=recipe.data.max_prompt_len, data_dir=ev.data_dir, limit=ev.limit,
-                dtype=recipe.model.dtype, engine=recipe.rollout.engine, eos_ends_thinking=summary.eos_ends_thinking,
-                train_task=recipe.data.train, task_config=tuple(sorted(recipe.data.task_config.items())),
-                task_size=recipe.data.task_size)
+def option_default(f: dataclasses.Field) -> Any:
+    """An option's default as of now: the schema's (read again, not the copy taken at import), or
+    the option's own."""
+    key = f.metadata.get("key")
+    return schema_default(key) if key and not f.metadata["own_default"] else f.default
+
+
+def recipe_options(recipe: Recipe) -> dict[str, Any]:
+    """The eval settings of a training recipe, as the trainer's in-training eval uses them: every
+    option's recipe key (the budgets: `eval.budgets`, else the training grid)."""
+    values = {}
+    for f in dataclasses.fields(EvalOptions):
+        if "key" in f.metadata:
+            value = recipe
+            for part in f.metadata["key"].split("."):
+                value = getattr(value, part)
+            values[f.name] = _frozen(value)
+    values["budgets"] = tuple(recipe.eval.budgets or recipe.budget.grid())
+    return values
+
+
+# --- the flags -----------------------------------------------------------------------------------
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) > 2 and all(isinstance(v, int) for v in value) and \
+            len({b - a for a, b in zip(value, value[1:])}) == 1:
+        return f"{value[0]}:{value[-1]}:{value[1] - value[0]}"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def option_help(f: dataclasses.Field) -> str:
+    """A flag's help: a recipe key's is its schema field's meaning, then the key and the default."""
+    if "key" not in f.metadata:
+        return f.metadata["help"]
+    key, note = f.metadata["key"], f.metadata["note"]
+    default = option_default(f)
+    text = field_at(Recipe, key)[0].metadata.get("doc", "") + (f"; {note}" if note else "")
+    own = "the standalone eval's " if f.metadata["own_default"] else ""
+    tail = f"recipe key {key}" + ("" if default is None else f"; {own}default {_shown(default)}")
+    return f"{text} ({tail})"
+
+
+def _flag_kind(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
+    """argparse's type, choices or action of an option of type `tp` (choices: the schema field's)."""
+    if tp is bool:
+        return {"action": "store_true"}
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    kind: dict[str, Any] = {"type": tp} if tp in (int, float) else {}
+    choices = field_choices(field_at(Recipe, f.metadata["key"])[1]) if "key" in f.metadata else None
+    if choices is not None:
+        kind["choices"] = list(choices)
+    return kind
 
 
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EvalOptions` field; default None so that only flags really given override."""
-    d = EvalOptions()
+    """One flag per `EvalOptions` option (`flag`); default None so that only flags really given override."""
     parser.add_argument("--recipe", default=None,
                         help="take budgets, summary settings, instruction, benchmarks, samples, temperature/top_p, "
                              "data dir, dtype and engine from this training recipe (flags given here still win)")
-    parser.add_argument("--benchmarks", default=None, help=f"comma list (default {','.join(d.benchmarks)})")
-    parser.add_argument("--budgets", default=None, help="START:STOP:STEP or a comma list (default 250:8000:250)")
-    parser.add_argument("--samples", type=int, default=None, help="thinking traces per problem (default 1)")
-    parser.add_argument("--summaries", type=int, default=None, help="summaries per budget (default 1)")
-    parser.add_argument("--summary-max-tokens", type=int, default=None, help=f"default {d.summary_max_tokens}")
-    parser.add_argument("--close-text", default=None, help=f"forced close of a cut trace (default {d.close_text!r})")
-    parser.add_argument("--header", default=None, help=f"answer header after the thinking (default {d.header!r})")
-    parser.add_argument("--think-end", default=None, help=f"the model's end-of-thinking marker (default {d.think_end!r})")
-    parser.add_argument("--instruction", default=None, help="appended to every problem (default: the boxed-answer one)")
-    parser.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default {d.temperature})")
-    parser.add_argument("--summary-temperature", type=float, default=None, help="default: --temperature")
-    parser.add_argument("--top-p", type=float, default=None, help=f"default {d.top_p}")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="picks the synthetic benchmark's held-out problems (default 0; a recipe's trainer.seed)")
-    parser.add_argument("--sample-seed", type=int, default=None,
-                        help="seed of the sampled traces and summaries (default: --seed; a recipe's eval.seed)")
-    parser.add_argument("--max-prompt-len", type=int, default=None, help=f"default {d.max_prompt_len}")
-    parser.add_argument("--data-dir", default=None, help="local benchmark files instead of the hub")
-    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    parser.add_argument("--dtype", default=None, help=f"default {d.dtype}")
-    parser.add_argument("--engine", choices=["hf", "vllm"], default=None, help=f"default {d.engine}")
-    parser.add_argument("--eos-ends-thinking", action="store_true", default=None,
-                        help="instruct models without a thinking format: force the summary at a trace's EOS instead of "
-                             "scoring the budgets past it 0")
+    hints = typing.get_type_hints(EvalOptions)
+    for f in dataclasses.fields(EvalOptions):
+        if f.metadata["flag"]:
+            parser.add_argument("--" + f.name.replace("_", "-"), default=None,
+                                help=option_help(f).replace("%", "%%"), **_flag_kind(f, hints[f.name]))
 
 
 def resolve_options(args: argparse.Namespace) -> EvalOptions:
     """Defaults ← the recipe's eval settings (`--recipe`) ← the flags given."""
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {f.name: option_default(f) for f in dataclasses.fields(EvalOptions)}
     if getattr(args, "recipe", None):
-        from anytime.config import load_recipe
-
         values.update(recipe_options(load_recipe(args.recipe)))
     for f in dataclasses.fields(EvalOptions):
         value = getattr(args, f.name, None)

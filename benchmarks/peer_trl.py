@@ -88,7 +88,8 @@ def run_ours(name: str, start: str, args: argparse.Namespace) -> dict[str, float
 
 def step_prompts(recipe: Any, steps: int) -> list[Any]:
     """The rows our trainer rolls out, in its order."""
-    from anytime.trainer.trainer import load_train_rows, step_row_indices
+    from anytime.data.sources import load_train_rows
+    from anytime.trainer.trainer import step_row_indices
 
     rows, n = load_train_rows(recipe), recipe.rollout.prompts_per_step
     return [rows[i] for step in range(steps) for i in step_row_indices(step, n, len(rows))]

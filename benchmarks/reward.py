@@ -241,11 +241,11 @@ def regenerate_sample(path: Path) -> None:
 
     from anytime.config import load_recipe
     from anytime.data.prompts import encode_prompts
+    from anytime.data.sources import load_train_rows
     from anytime.rollout.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
     from anytime.rollout.settings import AnytimeSettings
     from anytime.trainer.launch import prepare_model
-    from anytime.trainer.trainer import load_train_rows
 
     with tempfile.TemporaryDirectory() as tmp:
         r = load_recipe(REPO_ROOT / "recipes" / "quickstart.yaml",

@@ -1,6 +1,7 @@
 """The benchmark registry: names → where their rows live (hub or a local file), from
 `anytime/data/benchmarks.yaml` (shipped in the package). `synthetic` is built in (held-out problems of the quickstart task), and so is
-every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.task_splits`)."""
+every `reasoning_gym:<task>` (a held-out split of a procedural task, `anytime.data.task_splits`);
+`anytime.data.sources.source_kind` tells them apart, for training too."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from typing import Any
 import yaml
 
 from anytime import defaults
-from anytime.data.prompts import DataError, PromptRow, load_rows, synthetic_rows
+from anytime.data.prompts import SYNTHETIC_EVAL_SEED, DataError, PromptRow, load_rows, synthetic_rows
+from anytime.data.sources import SYNTHETIC, TASK, source_kind
 from anytime.data.task_splits import heldout_task_rows
-from anytime.tasks.reasoning_gym import PREFIX, task_name
+from anytime.tasks.reasoning_gym import PREFIX
 
 REGISTRY_ENV = "ANYTIME_BENCHMARKS"
-SYNTHETIC = "synthetic"
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,15 @@ def load_benchmark(name: str, *, data_dir: str | Path | None = None, limit: int 
     draws `limit` (default 200) held-out problems with `synthetic_ops` (min, max) operations;
     `reasoning_gym:<task>` draws them from the task with `task_config`, none of them in the training
     split of `train_size` problems (the recipe's data.task_config / data.task_size; 0: no check)."""
-    if task_name(name) is not None:
+    kind = source_kind(name)
+    if kind == TASK:
         return heldout_task_rows(name, task_config or {}, limit=limit, seed=seed, train_size=train_size)
+    if kind == SYNTHETIC:
+        return synthetic_rows(limit or 200, SYNTHETIC_EVAL_SEED + seed, *synthetic_ops)
     registry = load_registry()
     if name not in registry:
         raise DataError(f"unknown benchmark {name!r}; available: {', '.join(sorted(registry))}, or "
                         f"{PREFIX}<task> (a held-out split of a reasoning-gym task)")
-    if name == SYNTHETIC:
-        from anytime.data.prompts import SYNTHETIC_EVAL_SEED
-
-        return synthetic_rows(limit or 200, SYNTHETIC_EVAL_SEED + seed, *synthetic_ops)
     b = registry[name]
     if data_dir is not None:
         if b.local is None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anytime.config import Recipe, load_recipe
-from anytime.tasks.reasoning_gym import task_name
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +32,7 @@ def preflight(recipe: Recipe) -> None:
     """Fail before any work when a model, dataset or file the recipe names is missing."""
     from anytime.data.benchmarks import load_registry
     from anytime.data.prompts import is_local_source
+    from anytime.data.sources import DATASET, TASK, source_kind
 
     m = recipe.model
     if not m.tiny:
@@ -52,11 +52,11 @@ def preflight(recipe: Recipe) -> None:
                 raise FileNotFoundError(f"model.path {m.path!r} is neither a local folder nor a reachable hub model: "
                                         f"{str(exc).splitlines()[0]}") from None
     d = recipe.data
-    if d.train != "synthetic" and is_local_source(d.train) and not Path(d.train).expanduser().is_file():
+    if source_kind(d.train) == DATASET and is_local_source(d.train) and not Path(d.train).expanduser().is_file():
         raise FileNotFoundError(f"data.train {d.train!r} does not exist")
     registry = load_registry()
     for name in recipe.eval.benchmarks:
-        if task_name(name) is not None:   # a procedural task's held-out split: checked with the recipe
+        if source_kind(name) == TASK:   # a procedural task's held-out split: checked with the recipe
             continue
         if name not in registry:
             raise ValueError(f"eval.benchmarks: unknown benchmark {name!r}; available: {', '.join(sorted(registry))}")

@@ -17,6 +17,7 @@ import torch
 
 from anytime.config import Recipe
 from anytime.data.prompts import render_prompt
+from anytime.data.sources import SYNTHETIC, source_kind
 from anytime.learner.lr_schedules import lr_lambda
 from anytime.tasks.synthetic import make_problems, sft_completion
 
@@ -39,7 +40,7 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     """Fine-tune `model_path` on the recipe's SFT data and save a Hugging Face folder to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if recipe.data.train != "synthetic":
+    if source_kind(recipe.data.train) != SYNTHETIC:
         raise ValueError("the supervised warm start (sft.steps > 0) is built for data.train: synthetic; "
                          "set sft.steps: 0 for other datasets")
     cfg = recipe.sft

@@ -44,34 +44,17 @@ from anytime.algo.offpolicy import apply_offpolicy_correction
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import Recipe
 from anytime.core.dist import broadcast_object, rank_world
-from anytime.data.prompts import SYNTHETIC_TRAIN_SEED, PromptRow, encode_prompts, load_rows, synthetic_rows
-from anytime.data.task_splits import train_task_rows
+from anytime.data.prompts import encode_prompts
+from anytime.data.sources import load_train_rows
 from anytime.evaluation.in_training import evaluate_on_worker
 from anytime.evaluation.records import write_samples
 from anytime.learner import checkpoint as ckpt
 from anytime.learner.factory import build_learner
 from anytime.learner.ppo import logprob_mismatch, ppo_update
 from anytime.rollout.placement import create_rollouts
-from anytime.tasks.reasoning_gym import task_name
 from anytime.trainer.metrics import MetricsLogger, StageTimer
 
 log = logging.getLogger(__name__)
-
-
-def load_train_rows(recipe: Recipe) -> list[PromptRow]:
-    d = recipe.data
-    if d.train == "synthetic":
-        rows = synthetic_rows(d.synthetic_size, SYNTHETIC_TRAIN_SEED + recipe.trainer.seed, d.synthetic_min_ops,
-                              d.synthetic_max_ops)
-        random.Random(recipe.trainer.seed).shuffle(rows)
-        return rows[: d.limit] if d.limit else rows
-    if task_name(d.train) is not None:   # a procedural task: generated from the seed, shuffled like a file
-        rows = train_task_rows(d.train, d.task_config, d.task_size, recipe.trainer.seed)
-        if d.shuffle:
-            random.Random(recipe.trainer.seed).shuffle(rows)
-        return rows[: d.limit] if d.limit else rows
-    return load_rows(d.train, split=d.split, problem_key=d.problem_key, answer_key=d.answer_key, limit=d.limit,
-                     shuffle_seed=recipe.trainer.seed if d.shuffle else None)
 
 
 @dataclass

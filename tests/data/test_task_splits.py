@@ -10,9 +10,9 @@ import pytest
 from anytime.config import RecipeError, load_recipe
 from anytime.data.benchmarks import load_benchmark
 from anytime.data.prompts import DataError, PromptRow
+from anytime.data.sources import load_train_rows
 from anytime.data.task_splits import TASK_EVAL_SEED, heldout_task_rows, train_task_rows
 from anytime.tasks.reasoning_gym import as_task_gold, entries
-from anytime.trainer.trainer import load_train_rows
 
 pytestmark = pytest.mark.unit
 pytest.importorskip("reasoning_gym")

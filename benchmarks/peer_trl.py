@@ -193,7 +193,7 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
     recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false",
                                        eval_budgets(recipe)])
     tok = AutoTokenizer.from_pretrained(model_path)
-    worker = RolloutWorker(recipe, model_path, tok, tok.pad_token_id)
+    worker = RolloutWorker(recipe, model_path, tok)
     try:
         return worker.apply(evaluate_on_worker)[0]["eval/anytime"]
     finally:

@@ -69,7 +69,7 @@ def _colocated_rank(rank: int, world: int, init: str, args: argparse.Namespace, 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         recipe = _recipe(args, model, "colocated" if world > 1 else "inprocess", 1)
-        rollouts = create_rollouts(recipe, model, AutoTokenizer.from_pretrained(model), 0, _DataParallel(world))
+        rollouts = create_rollouts(recipe, model, AutoTokenizer.from_pretrained(model), _DataParallel(world))
         prompts, golds = _prompts(model, args.prompts)
         rate = _rate(rollouts, prompts, golds, args.rounds)
         rollouts.close()
@@ -81,13 +81,15 @@ def _colocated_rank(rank: int, world: int, init: str, args: argparse.Namespace, 
 
 def _rate(rollouts, prompts, golds, rounds: int) -> float:
     """Step tokens per second of the step's rollout, over `rounds` timed steps after a warm-up."""
-    rollouts.rollout(prompts, golds, 0)
+    from anytime.core.dist import sum_across_ranks
+
+    rollouts.collect(rollouts.submit(prompts, golds, 0))
     tokens = seconds = 0.0
     for step in range(1, rounds + 1):
         start = time.perf_counter()
-        _, metrics, _ = rollouts.rollout(prompts, golds, step)
+        shares = rollouts.collect(rollouts.submit(prompts, golds, step))
+        tokens += sum_across_ranks([sum(s.sums["tokens"] for s in shares)])[0]   # waits for every rank's workers
         seconds += time.perf_counter() - start
-        tokens += metrics["rollout/tokens"]
     return tokens / seconds
 
 
@@ -106,7 +108,7 @@ def ray(args: argparse.Namespace, model: str, workers: int) -> float:
 
     from anytime.rollout.ray_workers import RayRollouts
 
-    rollouts = RayRollouts(_recipe(args, model, "ray", workers), model, AutoTokenizer.from_pretrained(model), 0,
+    rollouts = RayRollouts(_recipe(args, model, "ray", workers), model, AutoTokenizer.from_pretrained(model),
                            _DataParallel(1))
     try:
         prompts, golds = _prompts(model, args.prompts)

@@ -137,3 +137,12 @@ def written_here_or_orphaned(paths: set[str]) -> set[str]:
     writers = {path: SHM_WRITER_PID.match(os.path.basename(path)) for path in paths}
     return {path for path, m in writers.items()
             if m is None or int(m[1]) in ours or not psutil.pid_exists(int(m[1]))}
+
+
+def step_rows(shares: list, recipe: object, pad_id: int = 0) -> tuple[object, list[dict]]:
+    """What the trainer's step makes of the scored rollouts a placement collected: the training rows
+    (advantages, then packing, as `Trainer.train_step` does) and every worker's metric sums."""
+    from anytime.trainer.trainer import advantages_of, joined, rows_of
+
+    packed = [rows_of(s, [advantages_of(d.rollout, recipe) for d in s.draws], recipe, pad_id) for s in shares]
+    return joined([rows for rows, _ in packed]), [sums for _, sums in packed]

@@ -287,3 +287,15 @@ def test_tests_mirror_the_package():
     folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))} - {"gpu"}
     assert folders <= packages, f"test folders with no package: {sorted(folders - packages)}"
     assert len(folders) >= len(packages) - 1, f"packages without a test folder: {sorted(packages - folders)}"
+
+
+@pytest.mark.unit
+def test_the_rollout_scores_and_the_trainer_makes_the_rows():
+    """The method is in the trainer's step: no module of `anytime.rollout` imports the advantage
+    estimators or the packer (not inside a function nor for type checking); the trainer does."""
+    graph = import_graph(type_checking=True)
+    method = {"anytime.algo.advantages", "anytime.batch.packing"}
+    importers = {m: sorted(deps & method) for m, deps in graph.items()
+                 if unit_of(m) == "anytime.rollout" and deps & method}
+    assert not importers, f"rollout modules importing the method: {importers}"
+    assert method <= graph["anytime.trainer.trainer"]

@@ -73,6 +73,61 @@ class AnytimeRollout:
         """The tokens forced between thinking[:cut] and the summary of budget j (never trained)."""
         return list(self.close_ids if self.forced_close[b, g, j] else ()) + list(self.header_ids)
 
+    def to_state(self) -> dict[str, Any]:
+        """Every field, tensors as they are and the rest as plain values (to send or save)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> AnytimeRollout:
+        return cls(**{**state, "close_ids": tuple(state["close_ids"]), "header_ids": tuple(state["header_ids"])})
+
+
+@dataclass
+class Draw:
+    """One engine call of a worker's share of a step: its rollout, the groups kept (positions in it:
+    all of them, but for groups dynamic sampling drops) and the step positions of the slots they fill."""
+
+    rollout: AnytimeRollout
+    kept: list[int]
+    slots: list[int]
+
+
+@dataclass
+class ScoredRollout:
+    """What a rollout worker returns for its share of one step: its draws (traces, cuts, summaries and
+    scores), the step's prompt count, metric sums that add up over workers (`rollout_sums`), and its
+    stage timings. Advantages and training rows are the trainer's (`anytime.trainer.trainer`)."""
+
+    draws: list[Draw]
+    num_prompts: int
+    sums: dict[str, float]
+    timings: dict[str, float]
+
+    def to_state(self) -> dict[str, Any]:
+        """Tensors and plain values only (a checkpoint loads it with `weights_only`)."""
+        return {"draws": [{"rollout": d.rollout.to_state(), "kept": d.kept, "slots": d.slots} for d in self.draws],
+                "num_prompts": self.num_prompts, "sums": self.sums, "timings": self.timings}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ScoredRollout:
+        draws = [Draw(AnytimeRollout.from_state(d["rollout"]), list(d["kept"]), list(d["slots"]))
+                 for d in state["draws"]]
+        return cls(draws, int(state["num_prompts"]), dict(state["sums"]), dict(state["timings"]))
+
+
+def rollout_sums(rollout: AnytimeRollout) -> dict[str, float]:
+    """A rollout's metric sums and counts (accuracy per budget, thinking length, verifier reasons,
+    tokens), so that the sums of several draws and workers add up exactly."""
+    B, G, S, A = rollout.scores.shape
+    sums = {f"acc_sum/{j}": float(rollout.scores[:, :, j].sum()) for j in range(S)}
+    sums.update({
+        "summaries_per_budget": float(B * G * A), "traces": float(B * G),
+        "think_len_sum": float(rollout.think_len.sum()), "closed_sum": float(rollout.natural_end.sum()),
+        "tokens": float(rollout.think_len.sum() + rollout.summary_len.sum()),
+    })
+    sums.update({f"reason/{k}": float(v) for k, v in rollout.failure_reasons().items()})
+    return sums
+
 
 def eos_zeroed(eos_end: bool, length: int, budget: int) -> bool:
     """A trace that stopped on EOS (without closing its thinking) scores 0 at budgets b ≥ |z|."""

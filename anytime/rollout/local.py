@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from anytime.batch.anytime_rollout import ScoredRollout
 from anytime.batch.train_batch import PROMPT_COUNT_FIELDS, TrainBatch
 from anytime.core.dist import (
     all_gather_object,
@@ -19,10 +20,9 @@ from anytime.core.dist import (
     broadcast_object,
     max_across_ranks,
     rank_world,
-    scatter_tensors,
     sum_across_ranks,
 )
-from anytime.rollout.placement import pin_cpus, run_worker, shares_by_rank, slowest, step_metrics
+from anytime.rollout.placement import pin_cpus, run_worker, scatter_rows
 from anytime.rollout.worker import RolloutWorker, adapter_of
 
 if TYPE_CHECKING:
@@ -34,27 +34,22 @@ T = TypeVar("T")
 class InProcessRollouts:
     """One worker on learner rank 0; every rank receives only its own rows from it."""
 
-    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
+    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, learner: Any) -> None:
         self.recipe, self.learner = recipe, learner
-        self.worker = RolloutWorker(recipe, model_path, tokenizer, pad_id) if rank_world()[0] == 0 else None
+        self.worker = RolloutWorker(recipe, model_path, tokenizer) if rank_world()[0] == 0 else None
 
-    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        shares, metrics, timings = None, None, {}
-        if self.worker is not None:
-            batch, sums, timings = run_worker(self.worker, "0", step, prompts, golds, step)
-            shares, metrics = shares_by_rank(batch, self.learner), step_metrics([sums], self.recipe)
-        mine = TrainBatch.from_tensors(scatter_tensors(shares))
-        return mine, broadcast_object(metrics), timings
-
-    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-               ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> list[ScoredRollout]:
         # the engine shares this process: the rollout runs now, with the weights it holds now
-        return self.rollout(prompts, golds, step)
+        if self.worker is None:
+            return []
+        return [run_worker(self.worker, "0", step, prompts, golds, step)]
 
-    def collect(self, handle: tuple[TrainBatch, dict[str, float], dict[str, float]]
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+    def collect(self, handle: list[ScoredRollout]) -> list[ScoredRollout]:
         return handle
+
+    def distribute(self, rows: TrainBatch | None, sums: list[dict[str, float]], timings: list[dict[str, float]]
+                   ) -> tuple[TrainBatch, list[dict[str, float]], list[dict[str, float]]]:
+        return scatter_rows(rows, sums, timings, self.learner)
 
     def sync_weights(self, learner: Any, version: int = 0) -> None:
         update = adapter_of(learner)
@@ -85,7 +80,7 @@ class InProcessRollouts:
 class ColocatedRollouts(InProcessRollouts):
     """A worker on every learner rank, rolling out the prompts whose rows that rank trains."""
 
-    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
+    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, learner: Any) -> None:
         rank, world = rank_world()
         self.recipe, self.learner = recipe, learner
         self.dp = learner.dp_ranks[rank]
@@ -100,29 +95,32 @@ class ColocatedRollouts(InProcessRollouts):
         if recipe.rollout.pin_cpus and not torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", rank))
             pin_cpus(local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        self.worker = RolloutWorker(recipe, model_path, tokenizer, pad_id)
+        self.worker = RolloutWorker(recipe, model_path, tokenizer)
 
-    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> list[ScoredRollout]:
         n, rank = len(prompts), rank_world()[0]
         replica = [i for i in range(n) if i % self.learner.dp_size == self.dp]
         mine = replica[self.peers.index(rank)::len(self.peers)]
-        batch, sums, timings = run_worker(self.worker, f"{rank} (on learner rank {rank})", step,
-                                           [prompts[i] for i in mine], [golds[i] for i in mine], step,
-                                           prompt_index=mine, num_prompts=n)
-        # the step's per-prompt counts, the same on every rank (as one worker would have counted
-        # them), summed in one collective
-        mine_counts = [getattr(batch, name) for name in PROMPT_COUNT_FIELDS]
+        return [run_worker(self.worker, f"{rank} (on learner rank {rank})", step, [prompts[i] for i in mine],
+                           [golds[i] for i in mine], step, prompt_index=mine, num_prompts=n)]
+
+    def distribute(self, rows: TrainBatch | None, sums: list[dict[str, float]], timings: list[dict[str, float]]
+                   ) -> tuple[TrainBatch, list[dict[str, float]], list[dict[str, float]]]:
+        """This rank's rows are its own worker's (and its pipeline peers'); the step's per-prompt
+        counts, the same on every rank (as one worker would have counted them), are summed in one
+        collective."""
+        n = len(rows.tokens_per_prompt)
+        mine_counts = [getattr(rows, name) for name in PROMPT_COUNT_FIELDS]
         summed = sum_across_ranks([v for t in mine_counts for v in t.tolist()])
         counts = {name: torch.tensor(summed[i * n:(i + 1) * n], dtype=t.dtype)
                   for i, (name, t) in enumerate(zip(PROMPT_COUNT_FIELDS, mine_counts))}
-        max_len = max_across_ranks(batch.max_len)
+        max_len = max_across_ranks(rows.max_len)
         if self.group is not None:
-            batch = TrainBatch.concat([TrainBatch.from_tensors(t) for t in
-                                       all_gather_tensors(batch.to_tensors(), self.group)])
-        batch = replace(batch, **counts, max_len=max_len)
-        per_worker = all_gather_object((sums, timings))
-        return batch, step_metrics([s for s, _ in per_worker], self.recipe), slowest([t for _, t in per_worker])
+            rows = TrainBatch.concat([TrainBatch.from_tensors(t) for t in
+                                      all_gather_tensors(rows.to_tensors(), self.group)])
+        per_rank = all_gather_object((sums, timings))
+        return (replace(rows, **counts, max_len=max_len), [s for mine, _ in per_rank for s in mine],
+                [t for _, mine in per_rank for t in mine])
 
     def sync_weights(self, learner: Any, version: int = 0) -> None:
         update = adapter_of(learner)

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from anytime.batch.anytime_rollout import ScoredRollout
 from anytime.batch.train_batch import TrainBatch
 from anytime.components import PLACEMENTS
 from anytime.core.dist import broadcast_object, local_share, rank_world, scatter_tensors
-from anytime.core.stats import add_sums
 from anytime.recipe_checks import resolve_placement
-from anytime.rollout.worker import RolloutWorker, rollout_metrics
+from anytime.rollout.worker import RolloutWorker
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
@@ -43,8 +44,7 @@ class RolloutWorkerError(RuntimeError):
     """A rollout worker failed (its engine crashed, it was killed, or it raised); the message names it."""
 
 
-def run_worker(worker: RolloutWorker, name: str, step: int, *args: Any, **kwargs: Any
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+def run_worker(worker: RolloutWorker, name: str, step: int, *args: Any, **kwargs: Any) -> ScoredRollout:
     try:
         return worker.rollout(*args, **kwargs)
     except Exception as exc:
@@ -55,17 +55,20 @@ def run_worker(worker: RolloutWorker, name: str, step: int, *args: Any, **kwargs
 class Rollouts(Protocol):
     """Every method is collective over the learner ranks."""
 
-    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        """This rank's rows of the step, the step's metrics and the rollout's stage timings."""
-
     def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> Any:
         """Start the step's rollout with the workers' current weights and return a handle for
-        `collect`: in the background where workers have processes of their own (Ray), else at once.
+        `collect`: in the background where workers have processes of their own, else at once.
         A weight sync issued later reaches the workers only after the rollouts submitted before it."""
 
-    def collect(self, handle: Any) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        """What `rollout` returns, for a submitted rollout (handles are collected in submission order)."""
+    def collect(self, handle: Any) -> list[ScoredRollout]:
+        """The scored rollouts of a submitted step that this rank holds, one per worker (handles are
+        collected in submission order): every worker's on learner rank 0 where workers are apart
+        from the learners, this rank's own where they are colocated, none on the other ranks."""
+
+    def distribute(self, rows: TrainBatch | None, sums: list[dict[str, float]], timings: list[dict[str, float]]
+                   ) -> tuple[TrainBatch, list[dict[str, float]], list[dict[str, float]]]:
+        """This rank's training rows of the step, from the rows built of what `collect` returned
+        here (None where it returned nothing), and every worker's metric sums and timings."""
 
     def sync_weights(self, learner: Any, version: int = 0) -> None:
         """Bring the learner's weights (`version`: the updates in them) to every worker."""
@@ -81,32 +84,10 @@ class Rollouts(Protocol):
     def close(self) -> None: ...
 
 
-def create_rollouts(recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> Rollouts:
+def create_rollouts(recipe: Recipe, model_path: str, tokenizer: Any, learner: Any) -> Rollouts:
     """The placement the recipe names (`rollout.placement`, registered in `anytime.components.PLACEMENTS`)."""
     placement = PLACEMENTS.get(resolve_placement(recipe, rank_world()[1]))
-    return placement(recipe, model_path, tokenizer, pad_id, learner)
-
-
-def step_metrics(per_worker: Sequence[dict[str, float]], recipe: Recipe) -> dict[str, float]:
-    """The step's metrics from every worker's sums, plus each worker's tokens/s and how much longer
-    the slowest worker took than the mean (1.0 = balanced). Wall-clock figures go under ``perf/``
-    (like ``time/``) so that comparisons of runs can leave them out."""
-    total: dict[str, float] = {}
-    for sums in per_worker:
-        add_sums(total, sums)
-    metrics = rollout_metrics(total, recipe.budget.grid(), recipe.budget.prior_probs())
-    seconds = [s["rollout_seconds"] for s in per_worker]
-    for i, s in enumerate(per_worker):
-        metrics[f"perf/rollout_tokens_per_s/worker{i}"] = s["tokens"] / max(s["rollout_seconds"], 1e-9)
-    metrics["rollout/tokens"] = total["tokens"]
-    metrics["perf/rollout_tokens_per_s"] = total["tokens"] / max(max(seconds), 1e-9)
-    metrics["perf/rollout_slowest_over_mean"] = max(seconds) / max(sum(seconds) / len(seconds), 1e-9)
-    return metrics
-
-
-def slowest(per_worker: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Stage timings of a step whose workers ran side by side: the slowest worker's, per stage."""
-    return {k: max(t.get(k, 0.0) for t in per_worker) for k in {k for t in per_worker for k in t}}
+    return placement(recipe, model_path, tokenizer, learner)
 
 
 def shares_by_rank(batch: TrainBatch, learner: Any) -> list[dict[str, torch.Tensor]]:
@@ -169,15 +150,46 @@ def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Ten
     return out
 
 
-def scatter_results(results: Sequence[tuple[Any, dict[str, float], dict[str, float]]] | None, recipe: Recipe,
-                    learner: Any) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-    """Collective: the workers' results of one rollout (rows as `to_numpy` arrays, metric sums, stage
-    timings; on learner rank 0, None elsewhere) joined, and this rank's rows, the step's metrics and
-    the slowest worker's timings."""
-    shares, metrics, timings = None, None, {}
-    if results is not None:
-        batch = TrainBatch.concat([TrainBatch.from_tensors(from_numpy(b)) for b, _, _ in results])
-        shares = shares_by_rank(batch, learner)
-        metrics = step_metrics([s for _, s, _ in results], recipe)
-        timings = slowest([t for _, _, t in results])
-    return TrainBatch.from_tensors(scatter_tensors(shares)), broadcast_object(metrics), timings
+def to_numpy_tree(value: Any) -> Any:
+    """`value` (dicts, lists and plain values around tensors) with every tensor as a `to_numpy` pair,
+    to send a `ScoredRollout.to_state()` from a worker process; `from_numpy_tree` inverts it."""
+    if isinstance(value, torch.Tensor):
+        return _NumpyTensor(*to_numpy({"t": value})["t"])
+    if isinstance(value, dict):
+        return {k: to_numpy_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_numpy_tree(v) for v in value]
+    return value
+
+
+def from_numpy_tree(value: Any) -> Any:
+    if isinstance(value, _NumpyTensor):
+        return from_numpy({"t": (value.array, value.dtype)})["t"]
+    if isinstance(value, dict):
+        return {k: from_numpy_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_numpy_tree(v) for v in value]
+    return value
+
+
+@dataclass
+class _NumpyTensor:
+    array: np.ndarray
+    dtype: str
+
+
+def scored_from_worker(sent: Any) -> ScoredRollout:
+    """A worker process's `to_numpy_tree(scored.to_state())` back as a `ScoredRollout`."""
+    return ScoredRollout.from_state(from_numpy_tree(sent))
+
+
+def scatter_rows(rows: TrainBatch | None, sums: list[dict[str, float]], timings: list[dict[str, float]],
+                 learner: Any) -> tuple[TrainBatch, list[dict[str, float]], list[dict[str, float]]]:
+    """Collective, for workers apart from the learners: the step's rows (on learner rank 0, None
+    elsewhere) sent to every rank as its own (those of its data-parallel rank), and the workers'
+    sums and timings to every rank."""
+    shares = None
+    if rank_world()[0] == 0:
+        shares = shares_by_rank(rows, learner)
+    sums, timings = broadcast_object((sums, timings) if rank_world()[0] == 0 else None)
+    return TrainBatch.from_tensors(scatter_tensors(shares)), sums, timings

@@ -1,8 +1,8 @@
 """Rollout workers as Ray actors (`rollout.placement: ray`): `rollout.workers` actors in one placement
-group, each a process of its own with its own engine, verifier and device, driven by learner rank 0.
-Rank 0 hands each actor whole prompts (all branches of a prompt on one actor), joins their rows and
-sends every learner rank its own. Runs on a local Ray (started here, on this machine's resources)
-or on a cluster (`ray start` on every node, then `ray job submit -- anytime train ...`).
+group, each a process of its own with its own engine, verifier and device. `anytime.rollout.pool.
+WorkerPool` drives them from learner rank 0; this transport carries its calls as actor methods.
+Runs on a local Ray (started here, on this machine's resources) or on a cluster (`ray start` on
+every node, then `ray job submit -- anytime train ...`).
 
 Weights reach the actors through Ray's object store as numpy arrays (one `ray.put`, every actor reads
 it), or on GPUs by NCCL broadcast from learner rank 0 (`rollout.weight_sync`).
@@ -19,42 +19,31 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from anytime.batch.train_batch import TrainBatch
-from anytime.core.dist import broadcast_object, local_share, rank_world
 from anytime.rollout.placement import (
     RolloutWorkerError,
     from_numpy,
     gpus_after_learners,
     pin_cpus,
-    scatter_results,
     to_numpy,
     visible_ids,
 )
+from anytime.rollout.pool import WorkerEndpoint, WorkerPool
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
 
-T = TypeVar("T")
-
 log = logging.getLogger(__name__)
 
 
-class RolloutActor:
-    """One rollout worker in a Ray actor. Methods return plain data (numpy, floats)."""
-
-    def __init__(self, recipe: Recipe, model_path: str, pad_id: int) -> None:
-        from transformers import AutoTokenizer
-
-        from anytime.rollout.worker import RolloutWorker
-
-        self.worker = RolloutWorker(recipe, model_path, AutoTokenizer.from_pretrained(model_path), pad_id)
+class RolloutActor(WorkerEndpoint):
+    """The endpoint in a Ray actor: weights arrive as numpy arrays (or by NCCL), and it says where it runs."""
 
     def where(self) -> tuple[str, int]:
         import ray
@@ -64,37 +53,19 @@ class RolloutActor:
     def pin(self, index: int, count: int) -> list[int]:
         return pin_cpus(index, count)
 
-    def rollout(self, prompts: list[list[int]], golds: list[Any], step: int, index: list[int], num_prompts: int,
-                min_version: int = 0) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, float], dict[str, float]]:
-        batch, sums, timings = self.worker.rollout(prompts, golds, step, index, num_prompts, min_version)
-        return to_numpy(batch.to_tensors()), sums, timings
+    def update_weights(self, arrays: dict[str, tuple[np.ndarray, str]]) -> None:   # type: ignore[override]
+        super().update_weights(from_numpy(arrays).items())
 
-    def update_weights(self, arrays: dict[str, tuple[np.ndarray, str]]) -> None:
-        self.worker.update_weights(from_numpy(arrays).items())
-
-    def offer_weights(self, arrays: dict[str, tuple[np.ndarray, str]], version: int) -> None:
+    def offer_arrays(self, version: int, arrays: dict[str, tuple[np.ndarray, str]]) -> None:
         """In-flight weights (called in the `weights` concurrency group, beside a rollout in progress):
         converted here, taken by the engine at its next decoding step."""
-        self.worker.offer_weights(version, from_numpy(arrays).items())
+        self.offer_weights(version, from_numpy(arrays).items())
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.worker.engine.init_weight_group(host, port, rank, world_size)
 
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         self.worker.engine.receive_weights(layout)
-
-    def apply(self, fn: Callable[[Any], Any], min_version: int = 0) -> Any:
-        self.worker.wait_for_version(min_version)
-        return self.worker.apply(fn)
-
-    def sleep(self) -> None:
-        self.worker.sleep()
-
-    def wake_up(self) -> None:
-        self.worker.wake_up()
-
-    def close(self) -> None:
-        self.worker.close()
 
     def exit(self) -> None:
         """End this actor's process the way Python exits, so that its exit handlers run (multiprocessing
@@ -139,40 +110,41 @@ def weight_group_host() -> str:
 
 
 @dataclass
-class Submitted:
-    """A rollout handed to the actors, with what regenerates an actor's share should it die."""
+class _Call:
+    """A call on actor i, with what calls it again on an actor put in its place (the weights the
+    actor held when it was made: None = those it started with)."""
 
-    step: int
-    refs: list[Any]             # one result per actor
-    actors: list[Any]           # the actors that took it
-    calls: list[tuple[list[list[int]], list[Any], list[int]]]   # per actor: prompts, golds, their indices
-    num_prompts: int
-    weights: Any                # the object-store weights they held (kept with restarts on); None = the start
+    actor: Any
+    ref: Any
+    method: str
+    args: tuple
+    weights: Any
 
 
-class RayRollouts:
-    """`rollout.workers` Ray actors driven by learner rank 0 (other ranks only receive their rows)."""
+class RayTransport:
+    """`rollout.workers` Ray actors in one placement group."""
 
-    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, pad_id: int, learner: Any) -> None:
-        self.recipe, self.learner = recipe, learner
+    def __init__(self, recipe: Recipe, model_path: str) -> None:
+        self.recipe = recipe
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self.nodes: list[str] = []
         self._pg = self._sender = None
-        self._syncs: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of weight syncs not yet confirmed
         self._started_ray = False
-        self._inflight = recipe.rollout.staleness_mode == "inflight"
-        self._offered = 0           # in flight: the newest version offered to the actors
-        self._offers: list[tuple[int, Any, Any]] = []   # (index, actor, ref) of offers not yet seen through
+        self._catch_up: list[tuple[int, _Call]] = []   # weights sent to a restarted actor, not yet confirmed
+        self._offers: list[tuple[int, Any]] = []       # (index, ref) of in-flight offers not yet seen through
         self._weights: Any = None   # the latest object-store weights, kept while restarts may need them
         self._holds: list[Any] = []   # the weights each actor holds (None = those it started with)
         self._restarts: list[int] = []
         self._spawn_args: tuple[Any, ...] = ()
         self._pins: dict[int, tuple[int, int]] = {}   # actor -> (its share, shares on its node) of the cores
-        if rank_world()[0] == 0:
-            self._start(recipe, model_path, pad_id)
+        self._start(recipe, model_path)
 
-    def _start(self, recipe: Recipe, model_path: str, pad_id: int) -> None:
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def _start(self, recipe: Recipe, model_path: str) -> None:
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -202,7 +174,7 @@ class RayRollouts:
         ray.get(self._pg.ready(), timeout=600)
         # in-flight weights arrive on a thread of their own while the default one generates
         actor_class = ray.remote(concurrency_groups={"weights": 1})(RolloutActor)
-        self._spawn_args = (actor_class, recipe, model_path, pad_id, gpus)
+        self._spawn_args = (actor_class, recipe, model_path, gpus)
         self.actors = [self._spawn(i) for i in range(r.workers)]
         self._holds, self._restarts = [None] * r.workers, [0] * r.workers
         where = self._get([a.where.remote() for a in self.actors], "start-up")
@@ -220,10 +192,10 @@ class RayRollouts:
         """Actor i, in bundle i of the placement group, with the weights at `model_path`."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls, recipe, model_path, pad_id, gpus = self._spawn_args
+        cls, recipe, model_path, gpus = self._spawn_args
         return cls.options(num_cpus=recipe.rollout.ray_cpus_per_worker, num_gpus=gpus, max_restarts=0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)
-                           ).remote(recipe, model_path, pad_id)
+                           ).remote(recipe, model_path)
 
     def _start_nccl(self) -> None:
         """A NCCL group of learner rank 0 (rank 0) and the actors' engines (ranks 1..N) for weights."""
@@ -275,7 +247,7 @@ class RayRollouts:
                     "(restart %d of %d)", i, self.pids[i], what, self._restarts[i], self.recipe.rollout.worker_restarts)
         self._replace(i)
         if self._weights is not None:   # the latest weights, for whatever it runs next (a regeneration sets its own)
-            self._syncs.append((i, self.actors[i], self.actors[i].update_weights.remote(self._weights)))
+            self._catch_up.append((i, self.call(i, "update_weights", self._weights)))
             self._holds[i] = self._weights
 
     def _replace(self, i: int) -> None:
@@ -296,127 +268,81 @@ class RayRollouts:
         except Exception as exc:
             raise self._error(i, exc, what) from None
 
-    def _regenerate(self, i: int, h: Submitted) -> Any:
-        """Actor i's share of a rollout whose actor died, generated again by the actor in its place
-        with the weights the first one had; the actor then takes the latest weights back."""
-        actor = self.actors[i]
-        if h.weights is None and self._holds[i] is not None:   # back to the weights it started with
+    def _regenerate(self, i: int, lost: _Call, what: str) -> Any:
+        """Actor i's rollout whose actor died, generated again by the actor in its place with the
+        weights the first one had; the actor then takes the latest weights back."""
+        if lost.weights is None and self._holds[i] is not None:   # back to the weights it started with
             self._replace(i)
-            actor = self.actors[i]
-        elif h.weights is not None and self._holds[i] is not h.weights:
-            actor.update_weights.remote(h.weights)
-        prompts, golds, index = h.calls[i]
-        result = self._get_one(i, actor.rollout.remote(prompts, golds, h.step, index, h.num_prompts),
-                               f"the regenerated rollout of step {h.step}")
-        self._holds[i] = h.weights
-        if self._weights is not h.weights:
-            self._syncs.append((i, actor, actor.update_weights.remote(self._weights)))
+        elif lost.weights is not None and self._holds[i] is not lost.weights:
+            self.actors[i].update_weights.remote(lost.weights)
+        actor = self.actors[i]
+        result = self._get_one(i, actor.rollout.remote(*lost.args), f"the regenerated {what.removeprefix('the ')}")
+        self._holds[i] = lost.weights
+        if self._weights is not lost.weights:
+            self._catch_up.append((i, self.call(i, "update_weights", self._weights)))
             self._holds[i] = self._weights
         return result
 
-    def rollout(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int
-                ) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        return self.collect(self.submit(prompts, golds, step))
+    # ---- the transport ----------------------------------------------------------------------------
+    def call(self, i: int, method: str, *args: Any) -> _Call:
+        actor = self.actors[i]
+        return _Call(actor, getattr(actor, method).remote(*args), method, args, self._holds[i])
 
-    def submit(self, prompts: Sequence[Sequence[int]], golds: Sequence[Any], step: int) -> Submitted:
-        """The step's prompts handed to the actors, which start at once (an actor runs its calls in
-        order, so a weight sync issued after this reaches it after this rollout)."""
-        n = len(prompts)
-        chunks = [local_share(range(n), i, len(self.actors)) for i in range(len(self.actors))]
-        calls = [([list(prompts[j]) for j in c], [golds[j] for j in c], c) for c in chunks]
-        # in flight, the version the learner offered last: the actors start no earlier (step - k)
-        refs = [a.rollout.remote(p, g, step, c, n, self._offered) for a, (p, g, c) in zip(self.actors, calls)]
-        return Submitted(step, refs, list(self.actors), calls, n, self._weights)
-
-    def _results(self, h: Submitted) -> list[Any]:
-        """Every actor's share of a submitted rollout, regenerated where its actor died (within the
-        recipe's restarts)."""
+    def reply(self, i: int, pending: _Call, what: str) -> Any:
+        """The call's result. An actor that died is replaced (within `rollout.worker_restarts`): its
+        lost rollout is generated again, a lost weight load is made good by the replacement's own."""
         import ray
 
-        what, out = f"the rollout of step {h.step}", []
-        for i, (actor, ref) in enumerate(zip(h.actors, h.refs)):
-            try:
-                out.append(ray.get(ref))
-            except Exception as exc:
-                self._replace_if_dead(i, actor, exc, what)
-                out.append(self._regenerate(i, h))
-        return out
+        try:
+            return ray.get(pending.ref)
+        except Exception as exc:
+            if pending.method == "rollout":
+                self._replace_if_dead(i, pending.actor, exc, what)
+                return self._regenerate(i, pending, what)
+            if pending.method in ("update_weights", "receive_weights"):
+                self._replace_if_dead(i, pending.actor, exc, what)
+                return None
+            raise self._error(i, exc, what) from None
 
-    def collect(self, handle: Submitted) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
-        results = None
-        if self.actors:
-            self._wait_for_syncs()
-            self._check_offers()
-            results = self._results(handle)
-        return scatter_results(results, self.recipe, self.learner)
-
-    def _wait_for_syncs(self) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor]) -> list[_Call]:
+        """By NCCL from learner rank 0 (a collective with the actors: it waits for their rollouts in
+        flight), or one `ray.put` that every actor reads from the object store."""
         import ray
 
-        syncs, self._syncs = self._syncs, []
-        for i, actor, ref in syncs:
-            try:
-                ray.get(ref)
-            except Exception as exc:
-                self._replace_if_dead(i, actor, exc, "the weight sync")   # the rollout that follows regenerates
+        if self._sender is not None:
+            layout = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+            pending = [self.call(i, "receive_weights", layout) for i in range(self.size)]
+            self._sender.send(state)
+            return pending
+        ref = ray.put(to_numpy(state))
+        pending = [self.call(i, "update_weights", ref) for i in range(self.size)]
+        if self.recipe.rollout.worker_restarts:   # kept so that a restart can regenerate with it
+            self._weights, self._holds = ref, [ref] * self.size
+        return pending
 
-    def _check_offers(self) -> None:
-        """Surface the failure of an in-flight weight offer that has finished (the rest stay pending)."""
+    def offer_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
+        ref = ray.put(to_numpy(state))
+        self._offers.extend((i, a.offer_arrays.options(concurrency_group="weights").remote(version, ref))
+                            for i, a in enumerate(self.actors))
+
+    def settle(self) -> None:
+        """Surface the failure of an in-flight weight offer that has finished (the rest stay pending),
+        and confirm the weights a restarted actor was sent."""
+        import ray
+
+        catch_up, self._catch_up = self._catch_up, []
+        for i, pending in catch_up:
+            self.reply(i, pending, "the weight sync")
         if not self._offers:
             return
-        done, _ = ray.wait([ref for _, _, ref in self._offers], num_returns=len(self._offers), timeout=0)
+        done, _ = ray.wait([ref for _, ref in self._offers], num_returns=len(self._offers), timeout=0)
         finished = set(done)
-        for i, _, ref in self._offers:
+        for i, ref in self._offers:
             if ref in finished:
                 self._get_one(i, ref, "an in-flight weight offer")
-        self._offers = [o for o in self._offers if o[2] not in finished]
-
-    def sync_weights(self, learner: Any, version: int = 0) -> None:
-        """The learner's weights (`version`: the number of updates in them) to every actor. With
-        `rollout.max_staleness` > 0 the call returns once the weights are handed over: in `locked`
-        mode the actors take them after their rollouts in flight, in `inflight` mode at their next
-        decoding step (a failure surfaces at the next `collect`); at 0 it returns when every actor
-        has them."""
-        import ray
-
-        state = learner.full_state_dict()  # collective; complete on rank 0
-        if not self.actors:
-            return
-        if self._inflight:
-            ref = ray.put(to_numpy(state))
-            self._offers.extend((i, a, a.offer_weights.options(concurrency_group="weights").remote(ref, version))
-                                for i, a in enumerate(self.actors))
-            self._offered = version
-            return
-        if self._sender is not None:
-            # NCCL is a collective with the actors: it waits for their rollouts in flight
-            layout = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
-            refs = [a.receive_weights.remote(layout) for a in self.actors]
-            self._sender.send(state)
-        else:
-            ref = ray.put(to_numpy(state))  # once; every actor reads it from the object store
-            refs = [a.update_weights.remote(ref) for a in self.actors]
-            if self.recipe.rollout.worker_restarts:   # kept so that a restart can regenerate with it
-                self._weights, self._holds = ref, [ref] * len(self.actors)
-        self._syncs.extend(zip(range(len(refs)), self.actors, refs))
-        if self.recipe.rollout.max_staleness == 0:
-            self._wait_for_syncs()
-
-    def on_first_worker(self, fn: Callable[[Any], T]) -> T:
-        if self.actors:
-            self._wait_for_syncs()
-        return broadcast_object(self._get([self.actors[0].apply.remote(fn, self._offered)],
-                                          getattr(fn, "__name__", "a call"))[0] if self.actors else None)
-
-    def sleep(self) -> None:
-        if self.actors:
-            self._get([a.sleep.remote() for a in self.actors], "sleep")
-
-    def wake_up(self) -> None:
-        if self.actors:
-            self._get([a.wake_up.remote() for a in self.actors], "wake-up")
+        self._offers = [o for o in self._offers if o[1] not in finished]
 
     def close(self) -> None:
         if not self.actors and self._pg is None:
@@ -445,3 +371,13 @@ class RayRollouts:
             self._pg = None
         if self._started_ray:
             ray.shutdown()
+
+
+class RayRollouts(WorkerPool):
+    """`rollout.workers` Ray actors driven by learner rank 0 (other ranks only receive their rows)."""
+
+    transport_type = RayTransport
+
+    @property
+    def pids(self) -> list[int]:
+        return self.transport.pids if self.transport is not None else []

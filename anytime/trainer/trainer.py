@@ -1,27 +1,31 @@
-"""The training loop: rollout → update → weight sync → metrics → eval → checkpoint, with stage
-timers under stable names (`gen`, `summaries`, `reward`, `adv`, `scatter`, `logprob`, `update`,
-`sync`, `eval`, `save`).
+"""The training loop. One step, in `Trainer.train_step`, each stage under a timer of that name:
+
+rollout (`gen`, `summaries`, `reward`: thinking traces, a summary at every budget cut, verified
+scores; on the rollout workers) → advantages (`adv`: thinking advantages by `algorithm.estimator`,
+summary advantages by `summary.estimator`) → rows (`pack`: the kept groups as training rows) →
+each learner rank's own rows (`scatter`) → old log-probs and off-policy weights (`logprob`) →
+PPO update (`update`) → weight sync to the workers (`sync`); then metrics, eval and checkpoints.
 
 A prompt becomes a gradient step through these containers (the README lists them too):
 1. `PromptRow` (`anytime.data.prompts`): problem and gold answer, encoded to a prompt's token ids;
 2. `Completion` (`anytime.rollout.engine`): one sampled continuation (thinking trace or summary) as
    the engine returns it, requested as `Branch`es of a trace (`AnytimeGeneration` when streamed);
 3. `Verdict` (`anytime.reward.verifier`): the verifier's score of one summary;
-4. `AnytimeRollout` (`anytime.batch.anytime_rollout`): the step's traces, cuts, summaries and scores
-   as padded tensors [prompt, trace, budget, summary];
+4. `AnytimeRollout` (`anytime.batch.anytime_rollout`): the traces, cuts, summaries and scores as
+   padded tensors [prompt, trace, budget, summary]; a worker returns its share of the step as a
+   `ScoredRollout` (its draws, metric sums and timings);
 5. `TrainBatch` (`anytime.batch.train_batch`): token rows with thinking / summary / inserted masks,
    per-token advantages and rollout / old log-probs, target-aligned, built by
-   `anytime.batch.packing` (whose private `_Row`s are its scratch); every learner rank receives
-   only its own rows (sent as a dict of tensors, `TrainBatch.to_tensors`), and mini- and
-   micro-batches are `TrainBatch`es too (a mini-batch travels as a `MiniBatch`: its rows and prompts);
+   `anytime.batch.packing`; every learner rank receives only its own rows, and mini- and
+   micro-batches are `TrainBatch`es too (a mini-batch travels as a `MiniBatch`);
 6. `LossSpec` (`anytime.algo.loss`): one mini-batch's loss normaliser and PPO-clip settings;
 7. `StepResult` (`anytime.learner.base`): the optimizer step's norm, skip and learning rate.
 
-`RolloutWorker`s (engine + verifier + advantages + batch building) run where `rollout.placement`
-puts them (`anytime.rollout.placement`: on learner rank 0, on every learner rank, or as Ray
-actors) and every learner rank receives only its own rows; the `Learner` (torch, DeepSpeed or
-pipeline) and the one PPO loop (`anytime.learner.ppo`) do the rest. The held-out eval runs on the
-first rollout worker's engine (`anytime.evaluation.in_training`).
+`RolloutWorker`s (engine + verifier) run where `rollout.placement` puts them
+(`anytime.rollout.placement`: on learner rank 0, on every learner rank, in processes of their own or
+as Ray actors); the `Learner` (torch, DeepSpeed or pipeline) and the one PPO loop
+(`anytime.learner.ppo`) train. The held-out eval runs on the first rollout worker's engine
+(`anytime.evaluation.in_training`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
 from anytime.algo.offpolicy import apply_offpolicy_correction
+from anytime.batch.anytime_rollout import AnytimeRollout, ScoredRollout
+from anytime.batch.packing import build_train_batch
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import Recipe
 from anytime.core.dist import broadcast_object, rank_world
@@ -52,7 +59,8 @@ from anytime.learner import checkpoint as ckpt
 from anytime.learner.factory import build_learner
 from anytime.learner.ppo import logprob_mismatch, ppo_update
 from anytime.rollout.placement import create_rollouts
-from anytime.trainer.metrics import MetricsLogger, StageTimer
+from anytime.core.stats import add_sums
+from anytime.trainer.metrics import MetricsLogger, StageTimer, slowest, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +68,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class InFlight:
     """A step's rollout submitted ahead of the step (`rollout.max_staleness`): its placement handle
-    until collected, then its result; `version` is the step whose weights the workers held."""
+    until collected, then the scored rollouts this rank holds; `version` is the step whose weights
+    the workers held."""
 
     step: int
     version: int
     handle: Any = None
-    result: tuple[TrainBatch, dict[str, Any], dict[str, float]] | None = None
+    result: list[ScoredRollout] | None = None
 
 
 def step_row_indices(step: int, prompts_per_step: int, num_rows: int) -> list[int]:
@@ -79,6 +88,49 @@ def step_candidate_rows(step: int, prompts_per_step: int, draws: int, num_rows: 
     sampling): the first `prompts_per_step` are draw 0 of the slots, each further block one more draw."""
     first = step * prompts_per_step * draws
     return [[(first + r * prompts_per_step + i) % num_rows for r in range(draws)] for i in range(prompts_per_step)]
+
+
+def advantages_of(rollout: AnytimeRollout, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout's two advantages, per group, each by the recipe's estimator (`anytime.algo.advantages`):
+    the thinking advantages [B, G, S], one per budget segment of each trace (`algorithm.estimator`:
+    BRPO's budget-relative baseline, or GRPO's, RLOO's, ...), and the summary advantages [B, G, S, A]
+    among the summaries of one cut (`summary.estimator`)."""
+    a = recipe.algorithm
+    thinking = thinking_advantages(a.estimator, rollout.budget_scores.double(), recipe.budget.prior_probs(),
+                                   decay=a.decay, variant=a.variance_reduction)
+    summary = summary_advantages_by_name(recipe.summary.estimator, rollout.scores.double(), rollout.prefix_group)
+    return thinking, summary
+
+
+def advantage_sums(thinking: torch.Tensor, summary: torch.Tensor) -> dict[str, float]:
+    return {"t_adv_sum": float(thinking.sum()), "t_adv_abs_sum": float(thinking.abs().sum()),
+            "t_adv_n": float(thinking.numel()), "s_adv_abs_sum": float(summary.abs().sum()),
+            "s_adv_n": float(summary.numel())}
+
+
+def rows_of(share: ScoredRollout, advantages: list[tuple[torch.Tensor, torch.Tensor]], recipe: Recipe,
+            pad_id: int) -> tuple[TrainBatch, dict[str, float]]:
+    """A worker's share of the step as training rows of its kept groups, under their positions in the
+    step (`anytime.batch.packing`), and its metric sums with its advantages' and rows'."""
+    r, batches, sums = recipe, [], dict(share.sums)
+    for draw, (thinking, summary) in zip(share.draws, advantages):
+        whole = draw.kept == list(range(len(draw.rollout.golds)))
+        chosen = draw.rollout if whole else draw.rollout.select_prompts(draw.kept)
+        batch = build_train_batch(chosen, thinking[draw.kept], summary[draw.kept],
+                                  thinking_weight=r.algorithm.thinking_loss_weight,
+                                  summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
+                                  pad_id=pad_id, pack=r.learner.pack_summaries,
+                                  drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0)
+        batches.append(batch.reindexed(draw.slots, share.num_prompts))
+        add_sums(sums, advantage_sums(thinking, summary))   # over every group drawn, kept or not
+    rows = joined(batches)
+    sums["rows"] = float(rows.sequences.sum())   # trained sequences (a thinking trace or a summary)
+    return rows, sums
+
+
+def joined(batches: list[TrainBatch]) -> TrainBatch | None:
+    """The rows of disjoint prompts of one step as one batch, ordered by prompt (None for none)."""
+    return None if not batches else batches[0] if len(batches) == 1 else TrainBatch.concat(batches)
 
 
 def use_deterministic_algorithms() -> None:
@@ -107,7 +159,7 @@ class Trainer:
         self.rows = load_train_rows(recipe)
         self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
         self.timer = StageTimer()
-        self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.pad_id, self.learner)
+        self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.learner)
         self._stop_signal: int | None = None
         self._in_flight: deque[InFlight] = deque()   # submitted rollouts, oldest first
         self._weights_version = 0                     # the step whose weights the workers hold
@@ -130,16 +182,16 @@ class Trainer:
         ro = self.recipe.rollout
         return ro.prompts_per_step * (ro.dynamic_sampling_max_draws if ro.dynamic_sampling else 1)
 
-    def _collect(self, item: InFlight) -> tuple[TrainBatch, dict[str, Any], dict[str, float]]:
+    def _collect(self, item: InFlight) -> list[ScoredRollout]:
         if item.result is None:
             item.result, item.handle = self.rollouts.collect(item.handle), None
         return item.result
 
-    def _rollout(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
-        """This rank's rows of the step and the step's rollout metrics. Locked staleness k: the
-        rollouts of steps up to step + k are submitted now, with the weights of this step, so batch t
-        is generated with the weights of step max(0, t − k) whatever the placement; with Ray workers
-        they run while the learner updates."""
+    def _rollout(self, step: int) -> tuple[list[ScoredRollout], dict[str, Any]]:
+        """The step's scored rollouts this rank holds (see `Rollouts.collect`). Locked staleness k:
+        the rollouts of steps up to step + k are submitted now, with the weights of this step, so
+        batch t is generated with the weights of step max(0, t − k) whatever the placement; where
+        workers have processes of their own they run while the learner updates."""
         r = self.recipe
         start = time.perf_counter()
         last = self._in_flight[-1].step if self._in_flight else step - 1
@@ -148,21 +200,14 @@ class Trainer:
         item = self._in_flight.popleft()
         if item.step != step:
             raise RuntimeError(f"the rollout in flight is step {item.step}'s, not step {step}'s")
-        batch, metrics, timings = self._collect(item)
-        waited = time.perf_counter() - start
-        for name, seconds in timings.items():
-            self.timer.add(name, seconds)
-        if r.rollout.max_staleness == 0:   # the stages ran on this step's wall clock
-            self.timer.add("scatter", max(0.0, waited - sum(v for k, v in timings.items() if k != "rollout_wait")))
-        self.timer.add("learner_wait", waited)
-        if r.rollout.max_staleness:
-            metrics["rollout/version_lag"] = step - item.version
-        return batch, metrics
+        shares = self._collect(item)
+        self.timer.add("learner_wait", time.perf_counter() - start)
+        return shares, {"rollout/version_lag": step - item.version} if r.rollout.max_staleness else {}
 
     def _settle_in_flight(self) -> list[dict[str, Any]]:
-        """Every rollout in flight collected (they stay queued): this rank's share, to checkpoint."""
-        return [{"step": item.step, "version": item.version, "batch": batch.to_tensors(), "metrics": metrics,
-                 "timings": timings} for item in self._in_flight for batch, metrics, timings in [self._collect(item)]]
+        """Every rollout in flight collected (they stay queued): what this rank holds, to checkpoint."""
+        return [{"step": item.step, "version": item.version, "shares": [s.to_state() for s in self._collect(item)]}
+                for item in self._in_flight]
 
     def _restore_in_flight(self, folder: Path, step: int) -> None:
         saved = ckpt.load_in_flight(folder, self.rank)
@@ -172,22 +217,40 @@ class Trainer:
                             "weights, not with the earlier ones an unbroken run would have used", folder, step)
             return
         for s in saved:
-            result = (TrainBatch.from_tensors(s["batch"]), s["metrics"], s["timings"])
-            self._in_flight.append(InFlight(s["step"], s["version"], result=result))
+            if "shares" not in s:
+                raise ValueError(f"{folder} holds rollouts in flight as training rows, as anytime saved them before "
+                                 "the trainer built the rows itself; resume it with the anytime version that wrote it, "
+                                 "or start from its weights with trainer.resume=null and model.path set to "
+                                 f"{folder / 'model'}")
+            self._in_flight.append(InFlight(s["step"], s["version"],
+                                            result=[ScoredRollout.from_state(x) for x in s["shares"]]))
 
     def train_step(self, step: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
+        """One step of the method, each stage under its timer (`time/<stage>` in the metrics)."""
+        r, t0 = self.recipe, time.perf_counter()
         self.timer = StageTimer()
-        batch, metrics = self._rollout(step)
-        if self.recipe.rollout.enable_sleep:
+        # rollout: thinking traces, summaries at every cut, verified scores (on the workers)
+        shares, metrics = self._rollout(step)
+        with self.timer.stage("adv"):      # thinking and summary advantages of every group drawn
+            advantages = [[advantages_of(draw.rollout, r) for draw in share.draws] for share in shares]
+        with self.timer.stage("pack"):     # the kept groups as training rows
+            packed = [rows_of(share, adv, r, self.pad_id) for share, adv in zip(shares, advantages)]
+        with self.timer.stage("scatter"):  # each learner rank gets its own rows, every rank the sums
+            batch, sums, timings = self.rollouts.distribute(joined([rows for rows, _ in packed]),
+                                                            [s for _, s in packed], [share.timings for share in shares])
+        metrics.update(step_metrics(sums, r))
+        for name, seconds in slowest(timings).items():   # the workers' stages (gen, summaries, reward)
+            self.timer.add(name, seconds)
+        if r.rollout.enable_sleep:
             self.rollouts.sleep()
-        r = self.recipe
         if r.learner.old_logprobs == "recompute":   # else the update's own (fully on-policy, checked at load)
-            self._old_logprobs(batch, metrics)
+            with self.timer.stage("logprob"):
+                self._old_logprobs(batch, metrics)
         with self.timer.stage("update"):
             stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})
-        self._sync_weights(step + 1)
+        with self.timer.stage("sync"):     # the new weights to the workers (or offered, in flight)
+            self._sync_weights(step + 1)
         metrics.update({f"time/{k}": v for k, v in self.timer.times.items()})
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
@@ -195,19 +258,17 @@ class Trainer:
     def _old_logprobs(self, batch: TrainBatch, metrics: dict[str, Any]) -> None:
         """The learner's log-probs before the update (the PPO ratio's denominator), and the engine's
         importance weights against them."""
-        with self.timer.stage("logprob"):
-            batch.old_logprobs = self.learner.logprobs(batch)
-            metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
-            # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
-            a = self.recipe.algorithm
-            offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
-            metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
+        batch.old_logprobs = self.learner.logprobs(batch)
+        metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
+        # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
+        a = self.recipe.algorithm
+        offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
+        metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
 
     def _sync_weights(self, version: int) -> None:
-        with self.timer.stage("sync"):
-            if self.recipe.rollout.enable_sleep:
-                self.rollouts.wake_up()
-            self.rollouts.sync_weights(self.learner, version)
+        if self.recipe.rollout.enable_sleep:
+            self.rollouts.wake_up()
+        self.rollouts.sync_weights(self.learner, version)
         self._weights_version = version
 
     def evaluate(self, step: int) -> dict[str, Any]:

@@ -108,14 +108,15 @@ def test_a_worker_trains_only_mixed_groups_under_their_slots(tiny_model_dir):
 
     from anytime.config import load_recipe
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.worker import RolloutWorker, rollout_metrics
-    from tests.helpers import QUICKSTART
+    from anytime.rollout.worker import RolloutWorker
+    from anytime.trainer.metrics import rollout_metrics
+    from tests.helpers import QUICKSTART, step_rows
 
     recipe = load_recipe(QUICKSTART, ["rollout.engine=hf", "rollout.n=2", "summary.n=1", "budget.budgets=[4,8]",
                                       "budget.max_thinking=8", "rollout.dynamic_sampling=true",
                                       "rollout.dynamic_sampling_max_draws=2"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    worker = RolloutWorker(recipe, tiny_model_dir, tok, tok.pad_token_id or 0)
+    worker = RolloutWorker(recipe, tiny_model_dir, tok)
     worker.scorer.close()
     worker.runner.scorer = ScoreByGold()
     drawn = []
@@ -124,7 +125,8 @@ def test_a_worker_trains_only_mixed_groups_under_their_slots(tiny_model_dir):
     try:
         candidates = [[render_prompt(tok, f"Start with {s}{r}. Step 1: add 2.") for r in range(2)] for s in range(3)]
         golds = [["wrong", "wrong"], ["mixed", "wrong"], ["wrong", "mixed"]]
-        batch, sums, _ = worker.rollout(candidates, golds, step=0, prompt_index=[0, 1, 2], num_prompts=3)
+        batch, (sums,) = step_rows([worker.rollout(candidates, golds, step=0, prompt_index=[0, 1, 2], num_prompts=3)],
+                                   recipe)
     finally:
         worker.close()
     assert [r.golds for r in drawn] == [["wrong", "mixed", "wrong"], ["wrong", "mixed"]]

@@ -169,20 +169,20 @@ def _recipe(*overrides: str):
 @pytest.mark.parametrize("stages,processes,want", [(1, 2, [2, 3]), (2, 1, [2, 3]), (1, 1, [1, 2])])
 def test_process_workers_take_the_gpus_after_every_learner_process(monkeypatch, stages, processes, want):
     """Learner processes count pipeline stages (`learner.processes`): stage 1 of a lone replica is GPU 1."""
-    from anytime.rollout.processes import ProcessRollouts
+    from anytime.rollout.processes import ProcessTransport
 
     _Gpus(monkeypatch, 4)
     extra = ["learner.pipeline.stages=2"] if stages > 1 else []
-    rollouts = ProcessRollouts.__new__(ProcessRollouts)
+    rollouts = ProcessTransport.__new__(ProcessTransport)
     rollouts.recipe = _recipe(f"learner.num_processes={processes}", "rollout.placement=processes", *extra)
     assert rollouts._gpus(2) == want
 
 
 def test_process_workers_that_do_not_fit_after_the_learners_are_refused(monkeypatch):
-    from anytime.rollout.processes import ProcessRollouts
+    from anytime.rollout.processes import ProcessTransport
 
     _Gpus(monkeypatch, 2)
-    rollouts = ProcessRollouts.__new__(ProcessRollouts)
+    rollouts = ProcessTransport.__new__(ProcessTransport)
     rollouts.recipe = _recipe("learner.num_processes=2", "rollout.placement=processes")
     with pytest.raises(ValueError, match="rollout.workers"):
         rollouts._gpus(1)

@@ -71,7 +71,7 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
                                       *SMALL])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    rollouts = ProcessRollouts(recipe, tiny_model_dir, tok, 0, OneRank())
+    rollouts = ProcessRollouts(recipe, tiny_model_dir, tok, OneRank())
     pids = [w.pid for w in rollouts.workers]
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(2)]

@@ -123,7 +123,7 @@ def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address)
     recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
                                       "budget.budgets=[8,16]", "budget.max_thinking=16"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rollouts = RayRollouts(recipe, tiny_model_dir, tok, 0, OneRank())
+    rollouts = RayRollouts(recipe, tiny_model_dir, tok, OneRank())
     pids = list(rollouts.pids)
     try:
         assert all(psutil.pid_exists(p) for p in pids)
@@ -132,7 +132,7 @@ def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address)
                    for k in range(2)]
         with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(Ray actor, pid {pids[1]}\) failed during "
                                                      "the rollout of step 0"):
-            rollouts.rollout(prompts, ["2", "3"], 0)
+            rollouts.collect(rollouts.submit(prompts, ["2", "3"], 0))
     finally:
         rollouts.close()
     deadline = time.time() + 30
@@ -168,7 +168,7 @@ model, recipe = sys.argv[1], load_recipe(sys.argv[2], ["rollout.placement=ray", 
                                                       "summary.n=1", "budget.budgets=[8,16]", "budget.max_thinking=16"])
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 tok = AutoTokenizer.from_pretrained(model)
-rollouts = RayRollouts(recipe, model, tok, 0, OneRank())
+rollouts = RayRollouts(recipe, model, tok, OneRank())
 rollouts.collect(rollouts.submit([render_prompt(tok, f"Start with {k}. Step 1: add 2.") for k in range(2)], ["2", "3"], 0))
 during = glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*"))
 rollouts.close()

@@ -19,7 +19,7 @@ import torch
 
 from anytime.config import RecipeError, load_recipe
 from anytime.trainer.launch import launch_train
-from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, step_rows, tiny_overrides
 
 LOCKED = ["rollout.max_staleness=1"]
 
@@ -59,6 +59,7 @@ def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
     taken (with the weights of step t − 1), everything else as the trainer does it."""
     from anytime.learner.ppo import ppo_update
     from anytime.trainer.launch import prepare_model
+    from anytime.trainer.metrics import step_metrics
     from anytime.trainer.trainer import Trainer, step_row_indices
 
     recipe = load_recipe(QUICKSTART, tiny_overrides(out, steps=steps))
@@ -66,7 +67,11 @@ def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
     try:
         def rollout(t: int):
             idx = step_row_indices(t, recipe.rollout.prompts_per_step, len(trainer.rows))
-            return trainer.rollouts.rollout([trainer.prompts[i] for i in idx], [trainer.rows[i].answer for i in idx], t)
+            shares = trainer.rollouts.collect(trainer.rollouts.submit([trainer.prompts[i] for i in idx],
+                                                                      [trainer.rows[i].answer for i in idx], t))
+            rows, sums = step_rows(shares, recipe, trainer.pad_id)
+            batch, sums, _ = trainer.rollouts.distribute(rows, sums, [])
+            return batch, step_metrics(sums, recipe), None
 
         trainer.evaluate(0)   # as the trainer's eval before training (it samples on the same engine)
         metrics, pending = {}, rollout(0)
@@ -161,7 +166,7 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
     recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
                                       "budget.budgets=[8,16]", "budget.max_thinking=16", *LOCKED])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rollouts = RayRollouts(recipe, tiny_model_dir, tok, 0, OneRank())
+    rollouts = RayRollouts(recipe, tiny_model_dir, tok, OneRank())
     pids = list(rollouts.pids)
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(2)]
@@ -224,7 +229,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
 
     def three_steps(kill_after_submit: bool) -> tuple[list[dict], list[int]]:
         learner = OneRankLearner(tiny_model_dir)
-        rollouts = RayRollouts(recipe, tiny_model_dir, tok, 0, learner)
+        rollouts = RayRollouts(recipe, tiny_model_dir, tok, learner)
         first_pids = list(rollouts.pids)
         try:
             handles = [rollouts.submit(prompts, golds, 0)]      # the start weights
@@ -234,7 +239,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
                 handles.append(rollouts.submit(prompts, golds, step))
             if kill_after_submit:
                 kill_and_clean(first_pids[1])
-            batches = [rollouts.collect(h)[0].to_tensors() for h in handles]
+            batches = [step_rows(rollouts.collect(h), recipe)[0].to_tensors() for h in handles]
             if kill_after_submit:
                 assert rollouts.pids[1] != first_pids[1] and not psutil.pid_exists(first_pids[1])
                 kill_and_clean(rollouts.pids[1])   # the restart budget is spent
@@ -258,7 +263,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
     # holds the new weights, so the next rollout samples what an unbroken run samples
     learner = OneRankLearner(tiny_model_dir)
     rollouts = RayRollouts(load_recipe(QUICKSTART, [*overrides[:-1], "rollout.max_staleness=0"]), tiny_model_dir,
-                           tok, 0, learner)
+                           tok, learner)
     pids += rollouts.pids
     try:
         learner.step()
@@ -266,7 +271,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
         kill_and_clean(rollouts.pids[1])
         rollouts.sync_weights(learner)   # the weights of step 2: unbroken[2] was sampled with them
         pids.append(rollouts.pids[1])
-        batch = rollouts.collect(rollouts.submit(prompts, golds, 2))[0].to_tensors()
+        batch = step_rows(rollouts.collect(rollouts.submit(prompts, golds, 2)), recipe)[0].to_tensors()
     finally:
         rollouts.close()
     for key in unbroken[2]:

@@ -15,7 +15,7 @@ its requests kept, loads, relabels the weight version and resumes between two en
 `--vllm-frontend async` drives it through vLLM's AsyncLLM (its engine core in a process of its own,
 paused by `pause_generation` wherever it is when a version arrives).
 The simulator (`anytime.analysis.timeline`) is calibrated on the lock-step split run's measured phases
-(rollout = gen + summaries + reward + adv on the worker, learner = logprob + update, sync) and its mean
+(rollout = gen + summaries + reward on the worker, learner = adv + pack + logprob + update, sync) and its mean
 think length, one core = one device, then predicts all three (so its lock-step split figure checks only
 the calibration and the overheads it leaves out).
 
@@ -26,12 +26,18 @@ staleness metrics, `swap_pause_s` (the in-flight run's mean seconds from pausing
 version to resuming it), and `sim_error` / `sim_error_inflight` (|predicted - measured| / measured for
 locked k=1 and in-flight k=2).
 
-Usage: python benchmarks/async_rl.py [--warm-start [--warm-steps 1200] | --model DIR] [--steps 12] [--skip 2]
+The workload must give the learner work: a random model scores 0 everywhere, every row has zero
+advantage and is dropped, and the comparison would time rollouts alone. So by default the script
+first warm-starts the quickstart's model here (its supervised steps, a few minutes on 2 cores), whose
+rewards vary within a group; `--model` takes an existing warm start instead. It prints the workload's
+own figures beside the timings (`lockstep_split_trained_rows`, `lockstep_split_reward_mean`,
+`lockstep_split_learner_share`: the learner's part of the split lock-step step) and warns when the
+learner trains nothing.
+
+Usage: python benchmarks/async_rl.py [--warm-steps 1200 | --model DIR] [--steps 12] [--skip 2]
                                     [--prompts 8] [--engine hf|vllm [--vllm-frontend llm|async]]
-  --warm-start: the quickstart's own workload: its supervised warm start is run here first (1200 steps,
-  a few minutes on 2 cores), whose traces mostly end before the largest budget;
+  --warm-steps: the warm start's supervised steps (default: the recipe's);
   --model: an already warm-started model (e.g. runs/quickstart/sft_model);
-  default: a random tiny model built here, whose traces all run to the largest budget;
   --prompts: prompts per step (and per mini-batch) instead of the quickstart's 8.
 """
 
@@ -121,8 +127,8 @@ def simulate_runs(recipe, model: str, measured: list[dict], cores: int) -> dict[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--warm-start", action="store_true", help="warm-start the quickstart's model here first")
-    parser.add_argument("--warm-steps", type=int, default=None, help="its supervised steps (default: the recipe's)")
+    parser.add_argument("--warm-steps", type=int, default=None,
+                        help="supervised steps of the warm start made here (default: the recipe's)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (start-up)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
@@ -146,16 +152,13 @@ def main() -> int:
     model = args.model
     address = None
     try:
-        if model is None and args.warm_start:
+        if model is None:   # a warm start: rewards that vary, rows that train
             warm = work / "warm"
             steps = [f"sft.steps={args.warm_steps}"] if args.warm_steps else []
             subprocess.run([sys.executable, "-m", "anytime.cli", "sft", str(REPO / "recipes" / "quickstart.yaml"),
                             f"trainer.output_dir={warm}", f"model.path={warm}/init_model", "logging.progress=false",
                             f"trainer.num_threads={len(cores)}", *steps], check=True, capture_output=True, cwd=REPO)
             model = str(warm / "sft_model")
-        elif model is None:
-            model = str(work / "tiny")
-            subprocess.run([sys.executable, "-m", "anytime.cli", "tiny-model", model], check=True, capture_output=True)
         both = [*shape, "rollout.placement=inprocess", f"trainer.num_threads={len(cores)}"]
         runs = {"lockstep_both_cores": train(work / "both", model, args.steps, both, None, {})}
         address = start_ray(cores[-1:])
@@ -177,8 +180,15 @@ def main() -> int:
         split = measured["lockstep_split"]
         # the two sides of the split lock-step step: what overlap can hide is the shorter one
         print(f"lockstep_split_rollout_s: {sum(mean(split, f'time/{k}') for k in ROLLOUT_STAGES):.4f}")
-        print(f"lockstep_split_learner_s: {sum(mean(split, f'time/{k}') for k in LEARNER_STAGES):.4f}")
+        learner_s = sum(mean(split, f"time/{k}") for k in LEARNER_STAGES)
+        print(f"lockstep_split_learner_s: {learner_s:.4f}")
         print(f"lockstep_split_sync_s: {mean(split, 'time/sync'):.4f}")
+        print(f"lockstep_split_learner_share: {learner_s / mean(split, 'time/step'):.3f}")
+        print(f"lockstep_split_trained_rows: {mean(split, 'train/rows'):.1f}")
+        print(f"lockstep_split_reward_mean: {mean(split, 'train/anytime_score'):.3f}")
+        if mean(split, "train/rows") == 0:
+            print("WARNING: the learner trained no row (every group's rewards were equal): the timings compare "
+                  "rollouts alone; warm-start longer (--warm-steps) or pass a trained --model", file=sys.stderr)
         locked = measured["locked_k1_split"]
         print(f"locked_k1_learner_wait_s: {mean(locked, 'time/learner_wait'):.4f}")
         print(f"locked_k1_rollout_wait_s: {mean(locked, 'time/rollout_wait'):.4f}")

@@ -72,7 +72,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return command.run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; `command` (the subcommand about to run, if known) spares the other commands'
+    optional modules: `anytime train` never loads the schedule simulator (`anytime.analysis`)."""
     parser = argparse.ArgumentParser(prog="anytime", description="RL fine-tuning for anytime reasoning (BRPO).")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,14 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
-    try:
+    p = sub.add_parser("schedule", help="show, simulate and compare pipeline schedules")
+    p.set_defaults(func=_cmd_schedule)
+    if command in (None, "schedule"):
         from anytime.analysis import schedule_command
-    except ImportError:  # the schedule library is part of the package; tolerate partial installs
-        schedule_command = None
-    if schedule_command is not None:
-        p = sub.add_parser("schedule", help="show, simulate and compare pipeline schedules")
+
         schedule_command.add_arguments(p)
-        p.set_defaults(func=_cmd_schedule)
 
     for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.learner.export"),
                          ("doctor", "anytime.doctor")):
@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -205,12 +205,15 @@ def test_the_analysis_rule_sees_what_runs_on_import():
 
 @pytest.mark.integration
 def test_a_training_run_does_not_load_analysis():
-    """In a fresh interpreter, the training modules and every pipeline schedule load no
-    `anytime.analysis` module (what the static rule above cannot see: imports by name)."""
+    """In a fresh interpreter, the training modules, every pipeline schedule and the command line of
+    `anytime train` load no `anytime.analysis` module (what the static rule above cannot see: imports
+    by name)."""
     code = ("import importlib, sys\n"
             f"for name in {TRAINING_MODULES!r}:\n    importlib.import_module(name)\n"
             "from anytime.pipeline import SCHEDULES\n"
             "for name in SCHEDULES:\n    SCHEDULES.get(name)\n"
+            "from anytime.cli import build_parser\n"
+            "build_parser('train').parse_args(['train', 'recipes/quickstart.yaml'])\n"
             "print(*sorted(m for m in sys.modules if m.startswith('anytime.')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,7 @@ summary advantages by `summary.estimator`) → rows (`pack`: the kept groups as 
 each learner rank's own rows (`scatter`) → old log-probs and off-policy weights (`logprob`) →
 PPO update (`update`) → weight sync to the workers (`sync`); then metrics, eval and checkpoints.
 
-A prompt becomes a gradient step through these containers (the README lists them too):
+A prompt becomes a gradient step through these containers (docs/architecture.md lists them too):
 1. `PromptRow` (`anytime.data.prompts`): problem and gold answer, encoded to a prompt's token ids;
 2. `Completion` (`anytime.rollout.engine`): one sampled continuation (thinking trace or summary) as
    the engine returns it, requested as `Branch`es of a trace (`AnytimeGeneration` when streamed);

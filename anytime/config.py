@@ -245,7 +245,7 @@ class LearnerConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = opt(0, "supervised warm-start steps on the synthetic task (0 = none)")
+    steps: int = opt(0, "supervised warm-start steps (the synthetic task, or a task's worked solutions; 0 = none)")
     lr: float = opt(3e-3, "warm-start learning rate")
     batch_size: int = opt(32, "warm-start sequences per step")
     warmup_steps: int = opt(20, "warm-start steps of linear warm-up")

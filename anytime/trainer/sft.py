@@ -1,8 +1,10 @@
-"""Supervised warm start: teach a (tiny) model the task's format and reasoning before RL.
+"""Supervised warm start: teach a model the task's format and reasoning before RL.
 
 Trains on (prompt, reference completion) pairs with cross-entropy on the completion tokens only.
 The quickstart uses it on the synthetic task, whose reference traces include filler lines, so the
-warm-started policy reasons verbosely — room for anytime RL to improve.
+warm-started policy reasons verbosely — room for anytime RL to improve. On a procedural task
+(`data.train: reasoning_gym:<task>`) the references are the task's worked solutions
+(`anytime.tasks.worked`) of the training split's problems.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from anytime.config import Recipe
 from anytime.data.prompts import render_prompt
-from anytime.data.sources import SYNTHETIC, source_kind
+from anytime.data.sources import SYNTHETIC, TASK, source_kind
 from anytime.learner.lr_schedules import lr_lambda
 from anytime.tasks.synthetic import make_problems, sft_completion
 
@@ -36,20 +38,45 @@ def synthetic_sft_pairs(recipe: Recipe, tokenizer, size: int, seed: int) -> list
     return pairs
 
 
+def task_sft_pairs(recipe: Recipe, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """The training split of a procedural task (the problems RL trains on and the held-out split
+    avoids), each with its worked solution as the thinking."""
+    from anytime.data.task_splits import train_task_rows
+    from anytime.tasks.reasoning_gym import decode_entry, task_name
+    from anytime.tasks.worked import warm_start_completion, worked_solution
+
+    d, s = recipe.data, recipe.summary
+    pairs = []
+    for row in train_task_rows(d.train, d.task_config, d.task_size, recipe.trainer.seed):
+        entry = decode_entry(row.answer["entry"])
+        completion = warm_start_completion(worked_solution(task_name(d.train), entry), str(entry["answer"]),
+                                           s.think_end, s.header)
+        ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        pairs.append((render_prompt(tokenizer, row.problem, d.instruction), ids))
+    return pairs
+
+
+def sft_pairs(recipe: Recipe, tokenizer) -> list[tuple[list[int], list[int]]]:
+    kind = source_kind(recipe.data.train)
+    if kind == SYNTHETIC:
+        return synthetic_sft_pairs(recipe, tokenizer, recipe.data.synthetic_size, recipe.trainer.seed + 17)
+    if kind == TASK:
+        return task_sft_pairs(recipe, tokenizer)
+    raise ValueError("the supervised warm start (sft.steps > 0) is built for data.train: synthetic or a procedural "
+                     "task (reasoning_gym:<task> with worked solutions); set sft.steps: 0 for other datasets")
+
+
 def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     """Fine-tune `model_path` on the recipe's SFT data and save a Hugging Face folder to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if source_kind(recipe.data.train) != SYNTHETIC:
-        raise ValueError("the supervised warm start (sft.steps > 0) is built for data.train: synthetic; "
-                         "set sft.steps: 0 for other datasets")
     cfg = recipe.sft
     torch.manual_seed(recipe.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # float64 when the recipe asks for it (exactness tests); otherwise float32, also for bf16 recipes
     dtype = torch.float64 if recipe.model.dtype == "float64" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    pairs = synthetic_sft_pairs(recipe, tokenizer, recipe.data.synthetic_size, recipe.trainer.seed + 17)
+    pairs = sft_pairs(recipe, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
     rng = random.Random(recipe.trainer.seed)

@@ -221,3 +221,22 @@ def test_threads_are_capped_at_the_process_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process: all of its cores, and no more
     assert thread_count(cores) == cores
     assert thread_count(cores + 3) == cores
+
+
+@pytest.mark.unit
+def test_rollouts_in_flight_saved_as_rows_by_an_older_version_are_refused_by_name(tmp_path):
+    """Checkpoints now hold the scored rollouts in flight (the trainer builds their rows); one that
+    holds rows instead cannot continue exactly, and says what to do."""
+    from collections import deque
+
+    from anytime.config import load_recipe
+    from anytime.learner.checkpoint import in_flight_file
+    from anytime.trainer.trainer import Trainer
+    from tests.helpers import QUICKSTART
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.recipe, trainer.rank, trainer._in_flight = load_recipe(QUICKSTART, ["rollout.max_staleness=1"]), 0, deque()
+    torch.save([{"step": 3, "version": 2, "batch": {"input_ids": torch.zeros(1, 2)}, "metrics": {}, "timings": {}}],
+               in_flight_file(tmp_path, 0))
+    with pytest.raises(ValueError, match="holds rollouts in flight as training rows.*trainer.resume=null"):
+        trainer._restore_in_flight(tmp_path, 3)

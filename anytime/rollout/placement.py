@@ -131,30 +131,34 @@ def pin_cpus(index: int, count: int) -> list[int]:
     return cores
 
 
+def _array_of(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as a numpy array and its dtype name (bfloat16 travels as its bits)."""
+    t = t.detach().cpu().contiguous()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return raw.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def _tensor_of(array: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.array(array))  # a copy: object-store arrays are read-only
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
 def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
-    """Tensors as numpy arrays with their dtype names (bfloat16 travels as its bits), to send to or
-    from a worker process (plain pickles: no shared-memory tensor handles to outlive a process)."""
-    out = {}
-    for name, t in state.items():
-        t = t.detach().cpu().contiguous()
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-        out[name] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
-    return out
+    """Tensors as numpy arrays with their dtype names, to send to or from a worker process (plain
+    pickles: no shared-memory tensor handles to outlive a process)."""
+    return {name: _array_of(t) for name, t in state.items()}
 
 
 def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, (a, dtype) in arrays.items():
-        t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
-        out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
-    return out
+    return {name: _tensor_of(a, dtype) for name, (a, dtype) in arrays.items()}
 
 
 def to_numpy_tree(value: Any) -> Any:
-    """`value` (dicts, lists and plain values around tensors) with every tensor as a `to_numpy` pair,
-    to send a `ScoredRollout.to_state()` from a worker process; `from_numpy_tree` inverts it."""
+    """`value` (dicts, lists and plain values around tensors) with every tensor as numpy, as
+    `to_numpy` sends it, to send a `ScoredRollout.to_state()` from a worker process;
+    `from_numpy_tree` inverts it."""
     if isinstance(value, torch.Tensor):
-        return _NumpyTensor(*to_numpy({"t": value})["t"])
+        return _NumpyTensor(*_array_of(value))
     if isinstance(value, dict):
         return {k: to_numpy_tree(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -164,7 +168,7 @@ def to_numpy_tree(value: Any) -> Any:
 
 def from_numpy_tree(value: Any) -> Any:
     if isinstance(value, _NumpyTensor):
-        return from_numpy({"t": (value.array, value.dtype)})["t"]
+        return _tensor_of(value.array, value.dtype)
     if isinstance(value, dict):
         return {k: from_numpy_tree(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -188,8 +192,7 @@ def scatter_rows(rows: TrainBatch | None, sums: list[dict[str, float]], timings:
     """Collective, for workers apart from the learners: the step's rows (on learner rank 0, None
     elsewhere) sent to every rank as its own (those of its data-parallel rank), and the workers'
     sums and timings to every rank."""
-    shares = None
-    if rank_world()[0] == 0:
-        shares = shares_by_rank(rows, learner)
-    sums, timings = broadcast_object((sums, timings) if rank_world()[0] == 0 else None)
+    driver = rank_world()[0] == 0
+    shares = shares_by_rank(rows, learner) if driver else None
+    sums, timings = broadcast_object((sums, timings) if driver else None)
     return TrainBatch.from_tensors(scatter_tensors(shares)), sums, timings

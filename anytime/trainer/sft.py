@@ -26,16 +26,18 @@ from anytime.tasks.synthetic import make_problems, sft_completion
 log = logging.getLogger(__name__)
 
 
+def sft_pair(tokenizer, problem: str, instruction: str, completion: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids ending on EOS): the completion is what the loss trains."""
+    ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    return render_prompt(tokenizer, problem, instruction), ids
+
+
 def synthetic_sft_pairs(recipe: Recipe, tokenizer, size: int, seed: int) -> list[tuple[list[int], list[int]]]:
     d, s = recipe.data, recipe.summary
     rng = random.Random(seed)
-    pairs = []
-    for p in make_problems(size, seed, d.synthetic_min_ops, d.synthetic_max_ops):
-        prompt = render_prompt(tokenizer, p.problem, d.instruction)
-        completion = sft_completion(p, rng, d.synthetic_filler, s.think_end, s.header, d.synthetic_whole_sums)
-        ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        pairs.append((prompt, ids))
-    return pairs
+    return [sft_pair(tokenizer, p.problem, d.instruction,
+                     sft_completion(p, rng, d.synthetic_filler, s.think_end, s.header, d.synthetic_whole_sums))
+            for p in make_problems(size, seed, d.synthetic_min_ops, d.synthetic_max_ops)]
 
 
 def task_sft_pairs(recipe: Recipe, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -51,8 +53,7 @@ def task_sft_pairs(recipe: Recipe, tokenizer) -> list[tuple[list[int], list[int]
         entry = decode_entry(row.answer["entry"])
         completion = warm_start_completion(worked_solution(task_name(d.train), entry), str(entry["answer"]),
                                            s.think_end, s.header)
-        ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        pairs.append((render_prompt(tokenizer, row.problem, d.instruction), ids))
+        pairs.append(sft_pair(tokenizer, row.problem, d.instruction, completion))
     return pairs
 
 

@@ -57,9 +57,10 @@ def test_the_warm_start_trains_on_the_training_split_with_worked_solutions(tiny_
     pairs = sft_pairs(recipe, tok)
     rows = train_task_rows("reasoning_gym:chain_sum", CONFIG, 6, recipe.trainer.seed)
     assert len(pairs) == len(rows) == 6
-    for (_, completion), row in zip(pairs, rows):
+    s = recipe.summary
+    for (prompt, completion), row in zip(pairs, rows):
         entry = decode_entry(row.answer["entry"])
-        text = tok.decode(completion[:-1])
         assert completion[-1] == tok.eos_token_id
-        assert text.replace(" ", "").startswith(chain_sum_running_totals(entry).replace(" ", "")[:8])
-        assert text.replace(" ", "").endswith(f"{entry['answer']}}}")
+        assert tok.decode(completion[:-1]) == warm_start_completion(chain_sum_running_totals(entry),
+                                                                    str(entry["answer"]), s.think_end, s.header)
+        assert row.problem in tok.decode(prompt)

@@ -1,0 +1,149 @@
+"""What the answers at each cut are, and how far RL moved the policy, on the anytime testbed's runs.
+
+For every run folder of `eval/real_model_anytime.py` (`<work>/<variant>/seed<S>`) it reads the held-out
+eval's per-sample records before RL (`step_0.jsonl`) and after (the last step) and reports, per
+variant and budget:
+
+- what each forced summary answers: the final result (correct), one of the trace's own running totals
+  before the last (`3 + 5 - 1 - 2`: 8 or 7: the partial work a cut trace holds, stated as if final),
+  or anything else (a miscounted total, an empty box);
+- the share of eval samples whose thinking length changed between before and after. Both evals draw
+  with the same seeds, so a policy that did not move samples the same traces: this share measures
+  how far the thinking policy moved where it is scored;
+- the relative change of the trained weights, ||W_after − W_warm|| / ||W_warm|| over the parameters
+  RL changed (the checkpoint against the warm start).
+
+    python eval/anytime_cuts.py --work runs/real_model_anytime --variants brpo,grpo
+
+Writes `anytime_cuts.md` under `--out` (default eval/real_model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from anytime.core.stats import mean_ci  # noqa: E402
+
+KINDS = ("final", "running", "other")
+
+
+def running_totals(expression: str) -> list[int]:
+    """The totals after each operation of `a op b op c ...`, left to right (the worked trace's lines)."""
+    tokens = expression.split()
+    total, totals = int(tokens[0]), []
+    for op, term in zip(tokens[1::2], tokens[2::2]):
+        total = total + int(term) if op == "+" else total - int(term)
+        totals.append(total)
+    return totals
+
+
+def answer_kind(answer: str | None, totals: list[int]) -> str:
+    try:
+        value = int((answer or "").replace(" ", ""))
+    except ValueError:
+        return "other"
+    if value == totals[-1]:
+        return "final"
+    return "running" if value in totals[:-1] else "other"
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def cut_kinds(samples: list[dict]) -> dict[int, Counter]:
+    """budget -> Counter of answer kinds over every summary at that budget."""
+    kinds: dict[int, Counter] = {}
+    for record in samples:
+        totals = running_totals(_expression(record["gold"]))
+        for entry in record["budgets"]:
+            for summary in entry["summaries"]:
+                kinds.setdefault(entry["budget"], Counter())[answer_kind(summary.get("answer"), totals)] += 1
+    return kinds
+
+
+def _expression(gold: dict) -> str:
+    """The entry's expression (`3 + 5 - 1 - 2`): the eval record keeps reasoning-gym's entry as its repr."""
+    return ast.literal_eval(gold["entry"])["metadata"]["expression"]
+
+
+def changed_share(before: list[dict], after: list[dict]) -> float:
+    lengths = {(r["problem_id"], r["sample"]): r["thinking_length"] for r in before}
+    pairs = [(lengths[(r["problem_id"], r["sample"])], r["thinking_length"]) for r in after
+             if (r["problem_id"], r["sample"]) in lengths]
+    return sum(a != b for a, b in pairs) / max(len(pairs), 1)
+
+
+def weight_change(run_dir: Path) -> float | None:
+    """||W_after − W_warm|| / ||W_warm|| over the tensors that changed (the trainable layers)."""
+    from safetensors import safe_open
+
+    checkpoints = sorted((run_dir / "checkpoints").glob("*/model/model.safetensors"))
+    warm = run_dir / "sft_model" / "model.safetensors"
+    if not checkpoints or not warm.is_file():
+        return None
+    delta = base = 0.0
+    with safe_open(str(warm), "pt") as w, safe_open(str(checkpoints[-1]), "pt") as a:
+        for name in w.keys():
+            before, after = w.get_tensor(name).double(), a.get_tensor(name).double()
+            diff = (after - before).norm().item() ** 2
+            if diff > 0:
+                delta += diff
+                base += before.norm().item() ** 2
+    return (delta / base) ** 0.5 if base else 0.0
+
+
+def analyse(run_dir: Path) -> dict:
+    steps = sorted((run_dir / "eval_samples").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    before, after = records(steps[0]), records(steps[-1])
+    return {"before": cut_kinds(before), "after": cut_kinds(after), "changed": changed_share(before, after),
+            "weight_change": weight_change(run_dir)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default="runs/real_model_anytime")
+    parser.add_argument("--variants", default="brpo,grpo,ar-uniform,no-decoupled")
+    parser.add_argument("--out", default="eval/real_model")
+    args = parser.parse_args()
+    work = REPO / args.work
+    lines = ["### What the summary at each cut answers (shares of all summaries; before RL → after RL)", "",
+             "final = the correct result; running = one of the trace's own earlier running totals; "
+             "other = a wrong number or no number.", "",
+             "| variant | seeds | budget | final | running | other | thinking length changed | weight change |",
+             "|---|---|---|---|---|---|---|---|"]
+    for variant in args.variants.split(","):
+        runs = sorted(p for p in (work / variant).glob("seed*") if (p / "summary.json").is_file())
+        if not runs:
+            continue
+        results = [analyse(run) for run in runs]
+        changed = mean_ci([r["changed"] for r in results])
+        moved = [r["weight_change"] for r in results if r["weight_change"] is not None]
+        seeds = ",".join(p.name.removeprefix("seed") for p in runs)
+        for i, budget in enumerate(sorted(results[0]["before"])):
+            shares = []
+            for kind in KINDS:
+                def share(when: str) -> float:
+                    return statistics.fmean(r[when][budget][kind] / sum(r[when][budget].values()) for r in results)
+                shares.append(f"{share('before'):.2f} → {share('after'):.2f}")
+            tail = (f"{changed[0]:.2f} ± {changed[1]:.2f} | "
+                    + (f"{statistics.fmean(moved):.2e}" if moved else "—")) if i == 0 else " | "
+            lines.append(f"| {variant if i == 0 else ''} | {seeds if i == 0 else ''} | {budget} | "
+                         f"{' | '.join(shares)} | {tail} |")
+    out = REPO / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "anytime_cuts.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     budgets = list(opts.budgets)
     out = Path(args.out)
     data = {name: load_benchmark(name, data_dir=opts.data_dir, limit=opts.limit, seed=opts.seed,
+                                 synthetic_ops=(opts.synthetic_min_ops, opts.synthetic_max_ops),
                                  **task_split(name, opts.train_task, dict(opts.task_config), opts.task_size))
             for name in opts.benchmarks}
     limits = {model: model_max_len(model) for model in args.model}  # fail before any generation

@@ -42,7 +42,7 @@ def evaluate_on_worker(worker: Any) -> tuple[dict[str, float], list[dict[str, An
     records: list[dict[str, Any]] = []
     for name in ev.benchmarks:
         rows = load_benchmark(name, data_dir=ev.data_dir, limit=ev.limit, seed=r.trainer.seed,
-                              synthetic_ops=(r.data.synthetic_min_ops, r.data.synthetic_max_ops),
+                              synthetic_ops=(opts.synthetic_min_ops, opts.synthetic_max_ops),
                               **task_split(name, r.data.train, r.data.task_config, r.data.task_size))
         out = evaluate_rows(runner, worker.tokenizer, rows, budgets=opts.budgets, instruction=opts.instruction,
                             max_prompt_len=opts.max_prompt_len, seed=opts.sampling_seed,

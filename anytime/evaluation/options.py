@@ -102,6 +102,9 @@ class EvalOptions:
     train_task: str | None = recipe_key("data.train", default=None, flag=False)
     task_config: tuple[tuple[str, Any], ...] = recipe_key("data.task_config", flag=False)
     task_size: int = recipe_key("data.task_size", default=0, flag=False)
+    # the synthetic task's sizes: held-out problems like the recipe's training ones
+    synthetic_min_ops: int = recipe_key("data.synthetic_min_ops", flag=False)
+    synthetic_max_ops: int = recipe_key("data.synthetic_max_ops", flag=False)
 
     @property
     def sampling_seed(self) -> int:

@@ -78,3 +78,22 @@ def test_a_changed_schema_field_reaches_the_flag(monkeypatch):
     assert flags["summary_max_tokens"].help.endswith("(recipe key summary.max_tokens; default 77)")
     _parser().format_help()   # argparse formats the help ('%' escaped)
     assert resolve_options(_args("--temperature", "0.9")).temperature == 0.9   # a flag given still wins
+
+
+def test_a_recipes_synthetic_sizes_reach_the_eval(tmp_path):
+    """`anytime eval --recipe` draws held-out synthetic problems the size of the recipe's training ones
+    (`data.synthetic_min_ops/max_ops`), as the in-training eval does."""
+    from anytime.data.benchmarks import load_benchmark
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("data:\n  synthetic_min_ops: 1\n  synthetic_max_ops: 2\n")
+    args = _args()
+    args.recipe = str(recipe)
+    opts = resolve_options(args)
+    assert (opts.synthetic_min_ops, opts.synthetic_max_ops) == (1, 2)
+    plain = resolve_options(_args())
+    assert (plain.synthetic_min_ops, plain.synthetic_max_ops) == (
+        field_default(field_at(Recipe, "data.synthetic_min_ops")[0]),
+        field_default(field_at(Recipe, "data.synthetic_max_ops")[0]))
+    rows = load_benchmark("synthetic", limit=20, synthetic_ops=(opts.synthetic_min_ops, opts.synthetic_max_ops))
+    assert max(row.problem.count("+") for row in rows) <= 2

@@ -7,6 +7,8 @@ variant and budget:
 - what each forced summary answers: the final result (correct), one of the trace's own running totals
   before the last (`3 + 5 - 1 - 2`: 8 or 7: the partial work a cut trace holds, stated as if final),
   or anything else (a miscounted total, an empty box);
+- the most common answer at each budget and its share: a summary policy that learned one guess for
+  cuts that hold no result shows here;
 - the share of eval samples whose thinking length changed between before and after. Both evals draw
   with the same seeds, so a policy that did not move samples the same traces: this share measures
   how far the thinking policy moved where it is scored;
@@ -60,15 +62,19 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def cut_kinds(samples: list[dict]) -> dict[int, Counter]:
-    """budget -> Counter of answer kinds over every summary at that budget."""
+def cut_kinds(samples: list[dict]) -> tuple[dict[int, Counter], dict[int, Counter]]:
+    """budget -> Counter of answer kinds, and budget -> Counter of the answers themselves, over every
+    summary at that budget."""
     kinds: dict[int, Counter] = {}
+    answers: dict[int, Counter] = {}
     for record in samples:
         totals = running_totals(_expression(record["gold"]))
         for entry in record["budgets"]:
             for summary in entry["summaries"]:
-                kinds.setdefault(entry["budget"], Counter())[answer_kind(summary.get("answer"), totals)] += 1
-    return kinds
+                answer = (summary.get("answer") or "").strip()
+                kinds.setdefault(entry["budget"], Counter())[answer_kind(answer, totals)] += 1
+                answers.setdefault(entry["budget"], Counter())[answer] += 1
+    return kinds, answers
 
 
 def _expression(gold: dict) -> str:
@@ -105,8 +111,17 @@ def weight_change(run_dir: Path) -> float | None:
 def analyse(run_dir: Path) -> dict:
     steps = sorted((run_dir / "eval_samples").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
     before, after = records(steps[0]), records(steps[-1])
-    return {"before": cut_kinds(before), "after": cut_kinds(after), "changed": changed_share(before, after),
+    (kinds_before, answers_before), (kinds_after, answers_after) = cut_kinds(before), cut_kinds(after)
+    return {"before": kinds_before, "after": kinds_after, "answers_before": answers_before,
+            "answers_after": answers_after, "changed": changed_share(before, after),
             "weight_change": weight_change(run_dir)}
+
+
+def most_common(results: list[dict], when: str, budget: int) -> str:
+    """The most common summary answer at `budget` over all runs, with its share (a collapse to one guess)."""
+    pooled = sum((r[when][budget] for r in results), Counter())
+    answer, count = pooled.most_common(1)[0]
+    return f"`{answer or '(empty)'}` {count / sum(pooled.values()):.2f}"
 
 
 def main() -> None:
@@ -118,9 +133,9 @@ def main() -> None:
     work = REPO / args.work
     lines = ["### What the summary at each cut answers (shares of all summaries; before RL → after RL)", "",
              "final = the correct result; running = one of the trace's own earlier running totals; "
-             "other = a wrong number or no number.", "",
-             "| variant | seeds | budget | final | running | other | thinking length changed | weight change |",
-             "|---|---|---|---|---|---|---|---|"]
+             "other = a wrong number or no number; the most common answer pooled over the seeds, with its share.", "",
+             "| variant | seeds | budget | final | running | other | most common answer | thinking length changed "
+             "| weight change |", "|---|---|---|---|---|---|---|---|---|"]
     for variant in args.variants.split(","):
         runs = sorted(p for p in (work / variant).glob("seed*") if (p / "summary.json").is_file())
         if not runs:
@@ -138,7 +153,8 @@ def main() -> None:
             tail = (f"{changed[0]:.2f} ± {changed[1]:.2f} | "
                     + (f"{statistics.fmean(moved):.2e}" if moved else "—")) if i == 0 else " | "
             lines.append(f"| {variant if i == 0 else ''} | {seeds if i == 0 else ''} | {budget} | "
-                         f"{' | '.join(shares)} | {tail} |")
+                         f"{' | '.join(shares)} | {most_common(results, 'answers_before', budget)} → "
+                         f"{most_common(results, 'answers_after', budget)} | {tail} |")
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "anytime_cuts.md").write_text("\n".join(lines) + "\n")

@@ -61,8 +61,9 @@ def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, bud
     anytime/final accuracy, AUC, thinking length, pass@k and verifier failures (`records.aggregate`)
     of `rows` under `runner` (an `AnytimeRolloutRunner`).
 
-    When `records` is a list, the per-sample records are appended to it, each starting with `tags`
-    (the CLI tags model and benchmark; the trainer may tag benchmark and step) — see `write_samples`.
+    When `records` is a list, the per-sample records (with each trace's text) are appended to it, each
+    starting with `tags` (the CLI tags model and benchmark; the trainer may tag benchmark and step) —
+    see `write_samples`.
     """
     budgets = list(budgets)
     prompts = encode_prompts(tokenizer, rows, instruction, max_prompt_len, limit_name)
@@ -71,7 +72,8 @@ def evaluate_rows(runner: Any, tokenizer: Any, rows: Sequence[PromptRow], *, bud
         chunk = rows[start:start + batch_prompts]
         rollout = runner.run(prompts[start:start + batch_prompts], [r.answer for r in chunk], budgets,
                              seed=seed + start)
-        mine.extend(sample_records(rollout, chunk, first_index=start, tags=tags))
+        mine.extend(sample_records(rollout, chunk, first_index=start, tags=tags,
+                                   decode=tokenizer.decode if records is not None else None))
         if on_batch is not None:
             on_batch(len(chunk))
     if records is not None:

@@ -4,14 +4,15 @@ the aggregation that turns records into results, and re-verification of recorded
 One record per (model, benchmark, problem, sample), one JSON object per line of `samples.jsonl`:
 
     {"model": ..., "benchmark": ..., "index": 0, "problem_id": ..., "problem": ..., "gold": <raw gold>,
-     "sample": 0, "thinking_length": 812, "natural_end": true, "eos_end": false,
+     "sample": 0, "thinking_length": 812, "thinking": "<the trace's text>", "natural_end": true, "eos_end": false,
      "budgets": [{"budget": 250, "cut": 250, "forced_zero": false,
                   "summaries": [{"text": ..., "answer": ..., "score": 0.0, "reason": "wrong",
                                  "tokens": 41}]}, ...]}
 
 `text` is exactly what the verifier read (from the thinking's `</think>` to the end of the summary),
 `answer` the extracted `\\boxed{}` content, `reason` one of `anytime.reward.verifier.REASONS`, `tokens`
-the summary's generated length (absent from records of older versions). `forced_zero`
+the summary's generated length (absent from records of older versions), `thinking` the whole trace
+as the tokenizer decodes it, so each cut's text is readable (absent from older records). `forced_zero`
 marks a cut scored 0 without looking at the text: the trace stopped on EOS inside its thinking and
 the budget reaches that end, b ≥ |z| (the rollout's rule, as in the official code); rescoring keeps
 those at 0.
@@ -28,7 +29,7 @@ import logging
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,14 +43,15 @@ Record = dict[str, Any]
 
 
 def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
-                   tags: Mapping[str, Any] | None = None) -> list[Record]:
+                   tags: Mapping[str, Any] | None = None,
+                   decode: Callable[[list[int]], str] | None = None) -> list[Record]:
     """The records of one rollout batch (`rows[b]` is the problem of prompt b of the rollout).
 
     The only place that reads an `AnytimeRollout` for eval records: its thinking lengths and ends,
     cuts, scores, verifier reasons and summary lengths ([B, G, S, A] tensors) and the texts the
     verifier read and the answers it extracted (flat lists in (b, g, j, a) order). `first_index` is the position of
     `rows[0]` in its benchmark; `tags` (e.g. model and benchmark, or the training step) lead every
-    record.
+    record; `decode` (a tokenizer's) writes each trace's text as `thinking`.
     """
     from anytime.batch.anytime_rollout import eos_zeroed
     from anytime.reward.verifier import REASONS
@@ -75,9 +77,11 @@ def sample_records(rollout: Any, rows: Sequence[Any], *, first_index: int = 0,
                                    "tokens": int(summary_len[b][g][j][a])}
                                   for a in range(summaries)],
                 })
-            records.append({**(tags or {}), "index": first_index + b, "problem_id": row.id, "problem": row.problem,
-                            "gold": row.answer, "sample": g, "thinking_length": length,
-                            "natural_end": bool(natural[b][g]), "eos_end": eos_end, "budgets": per_budget})
+            record = {**(tags or {}), "index": first_index + b, "problem_id": row.id, "problem": row.problem,
+                      "gold": row.answer, "sample": g, "thinking_length": length}
+            if decode is not None:
+                record["thinking"] = decode(rollout.think_ids[b, g, :length].tolist())
+            records.append(record | {"natural_end": bool(natural[b][g]), "eos_end": eos_end, "budgets": per_budget})
     return records
 
 

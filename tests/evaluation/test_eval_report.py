@@ -164,6 +164,12 @@ def test_records_carry_the_rollouts_summary_lengths():
     r = aggregate(records, [2, 4])
     assert r["summary_length"] == [3.5, 1.5]
     assert r["completed"] == [0.0, 0.5] and r["cut"] == [1.0, 0.5] and r["completed_accuracy"] == [None, 1.0]
+    assert "thinking" not in records[0]
+    # with a tokenizer's decode, each record holds its trace's text: its own length, not the padding
+    decoded = sample_records(_rollout(), [PromptRow(id="p0", problem="?", answer="1")],
+                             decode=lambda ids: ",".join(map(str, ids)))
+    assert [r["thinking"] for r in decoded] == ["10,11,14", "10,11,12,13"]
+    assert [{k: v for k, v in r.items() if k != "thinking"} for r in decoded] == records
 
 
 @pytest.mark.unit

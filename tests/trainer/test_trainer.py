@@ -38,6 +38,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert written == ["step_0.jsonl", "step_3.jsonl"]
     rows = [json.loads(line) for line in (full / "eval_samples" / "step_3.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["step"] == 3 and len(r["budgets"]) == 2 for r in rows)
+    assert all(isinstance(r["thinking"], str) for r in rows) and any(r["thinking"] for r in rows)  # readable cuts
     uncapped = (part / "eval_samples" / "step_0.jsonl").read_text().splitlines()
     assert len(uncapped) == 4 * 8  # eval.limit problems × eval.samples
     # the run's saved recipe makes `anytime eval` score its checkpoint exactly as the (sampled) in-training eval did

@@ -16,6 +16,8 @@ variant and budget:
   RL changed (the checkpoint against the warm start).
 
     python eval/anytime_cuts.py --work runs/real_model_anytime --variants brpo,grpo
+    # and the text at each cut, from an `anytime eval` of the warm start and of checkpoints after RL
+    python eval/anytime_cuts.py --examples runs/cuts/samples.jsonl --label <warm start>=warm --label <ckpt>=brpo
 
 Writes `anytime_cuts.md` under `--out` (default eval/real_model).
 """
@@ -124,11 +126,54 @@ def most_common(results: list[dict], when: str, budget: int) -> str:
     return f"`{answer or '(empty)'}` {count / sum(pooled.values()):.2f}"
 
 
+def examples(samples: Path, tokenizer_path: str, labels: dict[str, str], problems: int,
+             think_end: str = "</think>") -> list[str]:
+    """Each cut's text next to the summary it got, model by model, for the first `problems` problems of an
+    `anytime eval` samples.jsonl (records with the trace's `thinking` text; every model on the same
+    problems and sampling seeds). The cut text is the trace re-tokenized and cut at the recorded cut."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    by_model: dict[str, dict] = {}
+    for record in records(samples):
+        if record["sample"] == 0:
+            by_model.setdefault(record["model"], {})[record["problem_id"]] = record
+    models = [m for m in labels if m in by_model] or list(by_model)
+    lines = ["### Samples at each cut (the same problem and sampling seed for every model)", ""]
+    for problem_id in list(by_model[models[0]])[:problems]:
+        first = by_model[models[0]][problem_id]
+        gold = first["gold"]["answer"] if isinstance(first["gold"], dict) else first["gold"]
+        lines += [f"**{first['problem'].rsplit(':', 1)[-1].strip()}** (answer {gold})", "",
+                  "| model | budget | the trace up to the cut (its last line) | summary answer | score |",
+                  "|---|---|---|---|---|"]
+        for model in models:
+            record = by_model[model].get(problem_id)
+            if record is None or "thinking" not in record:
+                continue
+            ids = tokenizer(record["thinking"], add_special_tokens=False)["input_ids"]
+            for entry in record["budgets"]:
+                text = tokenizer.decode(ids[:entry["cut"]])
+                closed = think_end in text
+                seen = [line for line in text.split(think_end)[0].splitlines() if line.strip()] or [""]
+                summary = entry["summaries"][0]
+                lines.append(f"| {labels.get(model, model)} | {entry['budget']} | `{seen[-1].strip() or ' '}` "
+                             f"({len(seen)} line{'s' if len(seen) > 1 else ''}{', closed' if closed else ''}) "
+                             f"| `{summary.get('answer') or ''}` | {summary['score']:.0f} |")
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="runs/real_model_anytime")
     parser.add_argument("--variants", default="brpo,grpo,ar-uniform,no-decoupled")
     parser.add_argument("--out", default="eval/real_model")
+    parser.add_argument("--examples", metavar="SAMPLES_JSONL",
+                        help="also show each cut's text and summary from this `anytime eval` samples.jsonl")
+    parser.add_argument("--label", action="append", default=[], metavar="MODEL=NAME",
+                        help="a short name for a model of --examples, in the order to show (repeatable)")
+    parser.add_argument("--tokenizer", default="runs/smollm2")
+    parser.add_argument("--problems", type=int, default=3)
     args = parser.parse_args()
     work = REPO / args.work
     lines = ["### What the summary at each cut answers (shares of all summaries; before RL → after RL)", "",
@@ -155,6 +200,9 @@ def main() -> None:
             lines.append(f"| {variant if i == 0 else ''} | {seeds if i == 0 else ''} | {budget} | "
                          f"{' | '.join(shares)} | {most_common(results, 'answers_before', budget)} → "
                          f"{most_common(results, 'answers_after', budget)} | {tail} |")
+    if args.examples:
+        labels = dict(label.split("=", 1) for label in args.label)
+        lines += [""] + examples(Path(args.examples), args.tokenizer, labels, args.problems)
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "anytime_cuts.md").write_text("\n".join(lines) + "\n")

@@ -223,6 +223,23 @@ def table_budgets(budgets: Sequence[int], at_most: int = 4) -> list[int]:
     return sorted(set(picked))
 
 
+def short_names(models: Sequence[str]) -> dict[str, str]:
+    """Each model's display name: the fewest trailing path parts that no other model shares
+    (`sft_model`, `a/checkpoints/step_20` and `b/checkpoints/step_20`, not `step_20` twice)."""
+    parts = {m: Path(m).parts or (m,) for m in models}
+
+    def tail(m: str, k: int) -> tuple[str, ...]:
+        return parts[m][-k:]
+
+    names = {}
+    for m in models:
+        k = 1
+        while k < len(parts[m]) and any(tail(o, k) == tail(m, k) for o in models if o != m):
+            k += 1
+        names[m] = "/".join(tail(m, k))
+    return names
+
+
 def results_table(results: dict[str, Any]) -> str:
     """The markdown tables: per model × benchmark, anytime accuracy, AUC, accuracy at a few budgets,
     pass@1, length and failures; then, per model × benchmark × those budgets, the per-budget report
@@ -232,10 +249,11 @@ def results_table(results: dict[str, Any]) -> str:
     head = ["model", "benchmark", "anytime acc", "AUC", *(f"acc@{b}" for b in shown), "pass@1", "avg think len",
             "failures"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    names = short_names(list(results["models"]))
     for model, per_bench in results["models"].items():
         for name, r in per_bench.items():
             fails = ", ".join(f"{k}: {v}" for k, v in sorted(r["failures"].items()) if k != "correct")
-            cells = [Path(model).name or model, name, f"{r['anytime_accuracy']:.3f}", f"{r['area_under_curve']:.3f}",
+            cells = [names[model], name, f"{r['anytime_accuracy']:.3f}", f"{r['area_under_curve']:.3f}",
                      *(f"{r['accuracy'][budgets.index(b)]:.3f}" for b in shown), f"{r.get('pass@1', 0):.3f}",
                      f"{r['avg_thinking_length']:.1f}", fails]
             lines.append("| " + " | ".join(cells) + " |")
@@ -246,7 +264,7 @@ def results_table(results: dict[str, Any]) -> str:
         for name, r in per_bench.items():
             for b in shown:
                 j = budgets.index(b)
-                cells = [Path(model).name or model, name, str(b), _cell(r["accuracy"][j]), _cell(r["completed"][j]),
+                cells = [names[model], name, str(b), _cell(r["accuracy"][j]), _cell(r["completed"][j]),
                          _cell(r["completed_accuracy"][j]), _cell(r["cut"][j]), _cell(r["summary_length"][j], ".1f")]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -287,10 +305,11 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> None:
 
     fig, (acc_ax, done_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     budgets = results["budgets"]
+    names = short_names(list(results["models"]))
     for model, per_bench in results["models"].items():
         for name, r in per_bench.items():
             line, = acc_ax.plot(budgets, r["accuracy"], marker="o", ms=3,
-                                label=f"{Path(model).name or model} · {name} (anytime {r['anytime_accuracy']:.3f})")
+                                label=f"{names[model]} · {name} (anytime {r['anytime_accuracy']:.3f})")
             acc_ax.plot(budgets, nan(r["completed_accuracy"]), ls="--", color=line.get_color())
             done_ax.plot(budgets, r["completed"], marker="o", ms=3, color=line.get_color())
     acc_ax.set_ylabel("accuracy (dashed: completed traces only)")

@@ -181,3 +181,12 @@ def test_in_training_metrics_name_every_budget():
     assert metrics["eval/synthetic/completed_acc@30"] == 2 / 3 and metrics["eval/synthetic/summary_len@30"] == 6.5
     assert "eval/synthetic/completed_acc@10" not in metrics   # nothing completed by 10: no value, not a 0
     assert len(metrics) == 4 * 3 - 1
+
+
+@pytest.mark.unit
+def test_report_names_tell_two_checkpoints_of_one_step_apart():
+    from anytime.evaluation.evaluate import short_names
+
+    names = short_names(["runs/a/sft_model", "runs/a/checkpoints/step_20", "runs/b/checkpoints/step_20",
+                         "HuggingFaceTB/SmolLM2-135M"])
+    assert list(names.values()) == ["sft_model", "a/checkpoints/step_20", "b/checkpoints/step_20", "SmolLM2-135M"]

@@ -90,6 +90,8 @@ def collect(variant: str, seed: int, work: Path) -> dict:
     return {"seed": seed, "before": report(final["before"]), "after": report(final["after"]),
             "train_think_len": [m.get("train/think_len") for m in timed],
             "train_score": [m.get("train/anytime_score") for m in timed],
+            "train_acc": {str(b): [m.get(f"train/acc@{b}") for m in timed] for b in BUDGETS},
+            "s_per_step": statistics.fmean(m["time/step"] for m in timed),
             "wall_min": summary["wall_seconds"] / 60, "peak_rss_gb": summary.get("peak_rss_gb")}
 
 
@@ -108,11 +110,11 @@ def table(results: dict[str, list[dict]]) -> list[str]:
     lines = ["### Held-out accuracy per thinking budget after RL (mean ± 95% CI over seeds)", "",
              f"| variant | seeds | {heads} | anytime (AR-linear weights) | gain over the warm start |",
              "|---" * (len(BUDGETS) + 4) + "|"]
-    first = next(iter(results.values()))
-    lines.append(f"| warm start (before RL) | {','.join(str(r['seed']) for r in first)} | "
-                 + " | ".join(_ci([r["before"]["acc"][i] for runs in results.values() for r in runs])
-                              for i in range(len(BUDGETS)))
-                 + f" | {_ci([r['before']['anytime'] for runs in results.values() for r in runs])} | — |")
+    # one warm start: every variant's run of a seed scores it on the same problems and sampling seeds
+    before = {r["seed"]: r["before"] for runs in results.values() for r in runs}
+    lines.append(f"| warm start (before RL) | {','.join(map(str, sorted(before)))} | "
+                 + " | ".join(_ci([b["acc"][i] for b in before.values()]) for i in range(len(BUDGETS)))
+                 + f" | {_ci([b['anytime'] for b in before.values()])} | — |")
     for variant, runs in results.items():
         lines.append(f"| {variant} | {','.join(str(r['seed']) for r in runs)} | "
                      + " | ".join(_ci([r["after"]["acc"][i] for r in runs]) for i in range(len(BUDGETS)))
@@ -135,19 +137,34 @@ def table(results: dict[str, list[dict]]) -> list[str]:
     lines += ["", "### Eval report after RL (means over seeds; per budget " + ", ".join(map(str, BUDGETS)) + ")", "",
               "| variant | completed share | cut share | summary length (tokens) | thinking length |",
               "|---|---|---|---|---|"]
-    for name, runs, when in [("warm start", [r for rs in results.values() for r in rs], "before")] + [
-            (v, runs, "after") for v, runs in results.items()]:
+    warm = [{"before": b} for b in before.values()]
+    for name, runs, when in [("warm start", warm, "before")] + [(v, runs, "after") for v, runs in results.items()]:
         cells = [" / ".join(f"{statistics.fmean(r[when][key][i] for r in runs):.2f}" for i in range(len(BUDGETS)))
                  for key in ("completed", "cut", "summary_len")]
         lines.append(f"| {name} | {' | '.join(cells)} | {statistics.fmean(r[when]['think_len'] for r in runs):.1f} |")
     lines += ["", "### Thinking length (tokens) of the training rollouts over training (mean over seeds)", "",
-              "| variant | steps 1-5 | 6-10 | 11-15 | 16-20 | min per run | peak RSS GB |", "|---|---|---|---|---|---|---|"]
+              "| variant | steps 1-5 | 6-10 | 11-15 | 16-20 | s per step | min per run | peak RSS GB |",
+              "|---|---|---|---|---|---|---|---|"]
     for variant, runs in results.items():
         n = min(len(r["train_think_len"]) for r in runs)
         quarters = [statistics.fmean(r["train_think_len"][i] for r in runs for i in range(k, min(k + 5, n)))
                     for k in range(0, n, 5)]
         lines.append(f"| {variant} | {' | '.join(f'{q:.1f}' for q in quarters)} "
+                     f"| {statistics.fmean(r['s_per_step'] for r in runs):.1f} "
                      f"| {statistics.fmean(r['wall_min'] for r in runs):.1f} | {max(r['peak_rss_gb'] or 0 for r in runs):.1f} |")
+    lines += ["", "### Training accuracy per budget, first five steps → last five (mean over seeds; "
+              "GRPO trains at 32 only)", "", f"| variant | {heads} |", "|---" * (len(BUDGETS) + 1) + "|"]
+    for variant, runs in results.items():
+        cells = []
+        for b in BUDGETS:
+            series = [r["train_acc"][str(b)] for r in runs]
+            if any(v is None for s in series for v in s):
+                cells.append("—")
+                continue
+            early = statistics.fmean(v for s in series for v in s[:5])
+            late = statistics.fmean(v for s in series for v in s[-5:])
+            cells.append(f"{early:.2f} → {late:.2f}")
+        lines.append(f"| {variant} | {' | '.join(cells)} |")
     return lines
 
 

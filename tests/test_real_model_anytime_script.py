@@ -21,7 +21,8 @@ def run(seed: int, acc_after: list[float], anytime_after: float) -> dict:
               "think_len": 25.0}
     return {"seed": seed, "before": report | {"acc": [0.05, 0.2, 0.3, 0.4], "anytime": 0.25},
             "after": report | {"acc": acc_after, "anytime": anytime_after},
-            "train_think_len": [25.0] * 20, "train_score": [0.3] * 20, "wall_min": 9.0, "peak_rss_gb": 9.4}
+            "train_think_len": [25.0] * 20, "train_score": [0.3] * 20, "wall_min": 9.0, "s_per_step": 24.0, "peak_rss_gb": 9.4,
+            "train_acc": {str(b): [0.1] * 10 + [0.3] * 10 for b in BUDGETS}}
 
 
 def test_paired_differences_are_per_seed_and_per_budget():
@@ -33,6 +34,7 @@ def test_paired_differences_are_per_seed_and_per_budget():
     cells = [c.strip() for c in paired.strip("|").split("|")]
     # brpo beats grpo by 0.1 at 8 and 16 on both seeds (no spread), ties at 24 and 32
     assert cells[2:] == ["+0.100 ± 0.000", "+0.100 ± 0.000", "+0.000 ± 0.000", "+0.000 ± 0.000", "+0.100 ± 0.000"]
+    assert lines[-1] == "| brpo | 0.10 → 0.30 | 0.10 → 0.30 | 0.10 → 0.30 | 0.10 → 0.30 |"
     assert len(BUDGETS) == 4 and {"brpo", "grpo", "ar-uniform", "no-decoupled"} <= set(VARIANTS)
 
 

@@ -120,6 +120,12 @@ def table(results: dict[str, list[dict]]) -> list[str]:
                      + " | ".join(_ci([r["after"]["acc"][i] for r in runs]) for i in range(len(BUDGETS)))
                      + f" | {_ci([r['after']['anytime'] for r in runs])} "
                      f"| {_pm([r['after']['anytime'] - r['before']['anytime'] for r in runs])} |")
+    lines += ["", "### Change from the warm start at each budget (after − before, paired by seed)", "",
+              f"| variant | seeds | {heads} |", "|---" * (len(BUDGETS) + 2) + "|"]
+    for variant, runs in results.items():
+        lines.append(f"| {variant} | {','.join(str(r['seed']) for r in runs)} | "
+                     + " | ".join(_pm([r["after"]["acc"][i] - r["before"]["acc"][i] for r in runs])
+                                  for i in range(len(BUDGETS))) + " |")
     if BASELINE in results:
         base = {r["seed"]: r for r in results[BASELINE]}
         lines += ["", f"### Paired differences against {BASELINE} (same seed: same eval problems and sampling seeds)",

@@ -203,6 +203,11 @@ def main() -> None:
     if args.examples:
         labels = dict(label.split("=", 1) for label in args.label)
         lines += [""] + examples(Path(args.examples), args.tokenizer, labels, args.problems)
+    command = f"python eval/anytime_cuts.py --work {args.work} --variants {args.variants}"
+    if args.examples:
+        command += f" --examples {args.examples} " + " ".join(f"--label {label}" for label in args.label)
+        command += f" --problems {args.problems}"
+    lines = [f"Made by `{command}`.", ""] + lines
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "anytime_cuts.md").write_text("\n".join(lines) + "\n")

@@ -199,7 +199,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "anytime_results.json").write_text(json.dumps(results, indent=1))
     lines = table(results)
-    (out / "anytime_table.md").write_text("\n".join(lines) + "\n")
+    by_seeds: dict[str, list[str]] = {}
+    for variant, runs in results.items():
+        by_seeds.setdefault(",".join(str(r["seed"]) for r in runs), []).append(variant)
+    made_by = " and ".join(f"`python eval/real_model_anytime.py --variants {','.join(vs)} --seeds {seeds}`"
+                           for seeds, vs in by_seeds.items())
+    header = [f"Made by {made_by}, from one warm start; runs in `{args.work}`.", ""]
+    (out / "anytime_table.md").write_text("\n".join(header + lines) + "\n")
     print("\n".join(lines))
 
 

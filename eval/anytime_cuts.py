@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import statistics
 import sys
 from collections import Counter
@@ -36,18 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from anytime.core.stats import mean_ci  # noqa: E402
+from anytime.evaluation.records import read_samples  # noqa: E402
+from anytime.tasks.worked import running_totals  # noqa: E402  (the worked trace's totals)
 
 KINDS = ("final", "running", "other")
-
-
-def running_totals(expression: str) -> list[int]:
-    """The totals after each operation of `a op b op c ...`, left to right (the worked trace's lines)."""
-    tokens = expression.split()
-    total, totals = int(tokens[0]), []
-    for op, term in zip(tokens[1::2], tokens[2::2]):
-        total = total + int(term) if op == "+" else total - int(term)
-        totals.append(total)
-    return totals
 
 
 def answer_kind(answer: str | None, totals: list[int]) -> str:
@@ -58,10 +49,6 @@ def answer_kind(answer: str | None, totals: list[int]) -> str:
     if value == totals[-1]:
         return "final"
     return "running" if value in totals[:-1] else "other"
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def cut_kinds(samples: list[dict]) -> tuple[dict[int, Counter], dict[int, Counter]]:
@@ -112,7 +99,7 @@ def weight_change(run_dir: Path) -> float | None:
 
 def analyse(run_dir: Path) -> dict:
     steps = sorted((run_dir / "eval_samples").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
-    before, after = records(steps[0]), records(steps[-1])
+    before, after = read_samples(steps[0]), read_samples(steps[-1])
     (kinds_before, answers_before), (kinds_after, answers_after) = cut_kinds(before), cut_kinds(after)
     return {"before": kinds_before, "after": kinds_after, "answers_before": answers_before,
             "answers_after": answers_after, "changed": changed_share(before, after),
@@ -135,7 +122,7 @@ def examples(samples: Path, tokenizer_path: str, labels: dict[str, str], problem
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     by_model: dict[str, dict] = {}
-    for record in records(samples):
+    for record in read_samples(samples):
         if record["sample"] == 0:
             by_model.setdefault(record["model"], {})[record["problem_id"]] = record
     models = [m for m in labels if m in by_model] or list(by_model)

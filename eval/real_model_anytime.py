@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from anytime.core.stats import mean_ci  # noqa: E402
+
+sys.path.insert(0, str(REPO / "eval"))
+from real_model_seeds import chosen, run_anytime  # noqa: E402  (a sibling script: one way to run and pick)
 
 RECIPE = "recipes/smollm2_anytime.yaml"
 BUDGETS = (8, 16, 24, 32)
@@ -48,20 +50,11 @@ VARIANTS = {
 BASELINE = "grpo"
 
 
-def _anytime(args: list[str], log_file: Path) -> None:
-    cmd = [sys.executable, "-m", "anytime.cli", *args]
-    print(" ".join(cmd[2:]), flush=True)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with log_file.open("w") as log:
-        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                       stderr=subprocess.STDOUT)
-
-
 def warm_start(work: Path) -> Path:
     """The shared warm start: the recipe's `sft` phase alone (`anytime sft`, seed 0), made once."""
     folder = work / "warm_start"
     if not (folder / "sft_model" / "sft_done.txt").is_file():
-        _anytime(["sft", RECIPE, f"trainer.output_dir={folder}"], folder / "sft.log")
+        run_anytime(["sft", RECIPE, f"trainer.output_dir={folder}"], folder / "sft.log")
     return folder / "sft_model"
 
 
@@ -71,7 +64,7 @@ def train(variant: str, seed: int, work: Path, sft_model: Path) -> None:
         return
     if not (run_dir / "sft_model").is_dir():
         shutil.copytree(sft_model, run_dir / "sft_model", copy_function=os.link)  # read only: links, not copies
-    _anytime(["train", RECIPE, f"trainer.seed={seed}", f"trainer.output_dir={run_dir}", "trainer.resume=never",
+    run_anytime(["train", RECIPE, f"trainer.seed={seed}", f"trainer.output_dir={run_dir}", "trainer.resume=never",
               *VARIANTS[variant]], run_dir / "train.log")
 
 
@@ -182,11 +175,7 @@ def main() -> None:
     parser.add_argument("--out", default="eval/real_model")
     parser.add_argument("--report-only", action="store_true", help="tabulate the finished runs, train nothing")
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    variants, seeds = chosen(args, VARIANTS)
     out, work = REPO / args.out, REPO / args.work
     if not args.report_only:
         sft_model = warm_start(work)

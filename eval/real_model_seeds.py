@@ -88,13 +88,27 @@ def train(variant: str, seed: int, work: Path, jobs: int) -> None:
     if (run_dir / "summary.json").is_file():
         return
     threads = ["trainer.num_threads=1"] if jobs > 1 else []
-    cmd = [sys.executable, "-m", "anytime.cli", "train", recipe, f"trainer.seed={seed}",
-           f"trainer.output_dir={run_dir}", "trainer.resume=never", *overrides, *threads]
+    run_anytime(["train", recipe, f"trainer.seed={seed}", f"trainer.output_dir={run_dir}", "trainer.resume=never",
+                 *overrides, *threads], run_dir / "train.log")
+
+
+def run_anytime(args: list[str], log_file: Path) -> None:
+    """`anytime <args>` offline from the repository root, its output in `log_file`; fails loudly."""
+    cmd = [sys.executable, "-m", "anytime.cli", *args]
     print(" ".join(cmd[2:]), flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / "train.log").open("w") as log:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w") as log:
         subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
                        stderr=subprocess.STDOUT)
+
+
+def chosen(args: argparse.Namespace, known: dict) -> tuple[list[str], list[int]]:
+    """`--variants` (each one of `known`) and `--seeds` as lists."""
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; choose from {sorted(known)}")
+    return variants, [int(s) for s in args.seeds.split(",")]
 
 
 def collect(variant: str, seed: int, work: Path) -> dict:
@@ -131,11 +145,7 @@ def main() -> None:
     parser.add_argument("--work", default="runs/real_model")
     parser.add_argument("--out", default="eval/real_model")
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    variants, seeds = chosen(args, VARIANTS)
     out, work = REPO / args.out, REPO / args.work
     out.mkdir(parents=True, exist_ok=True)
     results_file = out / "results.json"

@@ -15,18 +15,26 @@ from typing import Any
 from anytime.tasks.reasoning_gym import PREFIX, TaskError
 
 
+def running_totals(expression: str) -> list[int]:
+    """The totals after each operation of `a op b op c ...`, left to right (`+` and `-` only)."""
+    tokens = expression.split()
+    if len(tokens) < 3 or len(tokens) % 2 == 0 or any(op not in "+-" for op in tokens[1::2]):
+        raise TaskError(f"{PREFIX}chain_sum: cannot write running totals of {expression!r}")
+    total, totals = int(tokens[0]), []
+    for op, term in zip(tokens[1::2], tokens[2::2]):
+        total = total + int(term) if op == "+" else total - int(term)
+        totals.append(total)
+    return totals
+
+
 def chain_sum_running_totals(entry: Mapping[str, Any]) -> str:
     """`a op b = r` per line, from left to right, over the entry's expression (`+` and `-` only)."""
-    tokens = str(entry["metadata"]["expression"]).split()
-    if len(tokens) < 3 or len(tokens) % 2 == 0 or any(op not in "+-" for op in tokens[1::2]):
-        raise TaskError(f"{PREFIX}chain_sum: cannot write running totals of {entry['metadata']['expression']!r}")
-    total, lines = int(tokens[0]), []
-    for op, term in zip(tokens[1::2], tokens[2::2]):
-        result = total + int(term) if op == "+" else total - int(term)
-        lines.append(f"{total} {op} {term} = {result}")
-        total = result
-    if str(total) != str(entry["answer"]):
-        raise TaskError(f"{PREFIX}chain_sum: running totals give {total}, the entry's answer is {entry['answer']}")
+    expression = str(entry["metadata"]["expression"])
+    tokens, totals = expression.split(), running_totals(expression)
+    if str(totals[-1]) != str(entry["answer"]):
+        raise TaskError(f"{PREFIX}chain_sum: running totals give {totals[-1]}, the entry's answer is {entry['answer']}")
+    starts = [int(tokens[0]), *totals[:-1]]
+    lines = [f"{a} {op} {term} = {r}" for a, op, term, r in zip(starts, tokens[1::2], tokens[2::2], totals)]
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,8 @@ Each check is a small probe (a function of this module, so tests can replace it)
 saw; `diagnose` turns those facts into `Check`s: ok, a warning, or a problem with its fix. Probes that
 import heavy packages (vLLM, DeepSpeed, Ray) run in a child process, so a broken install cannot take
 the doctor down with it. Nothing here touches the network unless `--network` is given.
-`anytime doctor RECIPE` also checks that this machine has the GPUs the recipe asks for.
+`anytime doctor RECIPE` also checks that this machine has the GPUs the recipe asks for, and says what
+its precision settings (`learner.bf16`, `model.dtype`) become here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -117,6 +117,30 @@ def fused_adam_prebuilt() -> bool:
     return ok and line == "True"
 
 
+def nvcc_cuda_release(nvcc: str) -> str | None:
+    """The CUDA release of that nvcc (`nvcc --version`; the learner's own probe)."""
+    from anytime.learner.deepspeed_learner import nvcc_cuda_release as learner_probe
+
+    return learner_probe(nvcc)
+
+
+def ninja_available() -> bool:
+    """Whether ninja runs from PATH (the learner's own probe)."""
+    from anytime.learner.deepspeed_learner import ninja_available as learner_probe
+
+    return learner_probe()
+
+
+def precision_facts() -> dict[str, Any]:
+    """This CPU's vector capability, and whether the CPU and the current GPU have a native bf16 GEMM
+    (`anytime.core.precision`'s probes)."""
+    from anytime.core import precision
+
+    path = precision.cpu_bf16_path()
+    return {"capability": precision.cpu_capability(), "cpu_bf16": path == "native", "cpu_bf16_path": path,
+            "cuda_bf16": precision.cuda_native_bf16()}
+
+
 def ray_address() -> str | None:
     """The Ray cluster `anytime train` joins (RAY_ADDRESS), or None: it starts one on this machine."""
     return os.environ.get("RAY_ADDRESS") or None
@@ -217,40 +241,77 @@ def _check_math_verify() -> Check:
 
 
 def _check_cuda_toolkit(torch_facts: dict[str, Any]) -> Check:
-    """Which Adam the DeepSpeed learner will run: the learner's own decision, on this doctor's probes."""
+    """Which Adam the DeepSpeed learner will run: the learner's own decision (a prebuilt op, or nvcc of
+    torch's CUDA major version and ninja for its JIT build), on this doctor's probes."""
     if not torch_facts.get("cuda_available"):
         return Check("cuda-toolkit", "ok", "skipped: no CUDA device (DeepSpeed runs torch's AdamW there)")
     if not installed("deepspeed"):
         return Check("cuda-toolkit", "ok", "skipped: DeepSpeed is not installed")
-    from anytime.learner.deepspeed_learner import choose_adam
+    from anytime.learner.deepspeed_learner import AdamProbes, choose_adam
 
-    adam = choose_adam(True, fused_adam_prebuilt, cuda_toolkit)
+    probes = AdamProbes(prebuilt=fused_adam_prebuilt, toolkit=cuda_toolkit, toolkit_cuda=nvcc_cuda_release,
+                        torch_cuda=lambda: torch_facts.get("cuda_build"), ninja=ninja_available)
+    adam = choose_adam(True, probes)
     if adam.fused:
         return Check("cuda-toolkit", "ok", adam.reason)
     return Check("cuda-toolkit", "warn", f"{adam.reason} in learner.backend: deepspeed",
-                 f"torch's AdamW works as it is; for FusedAdam install the CUDA {torch_facts.get('cuda_build')} "
-                 "toolkit (nvcc) and set CUDA_HOME to it")
+                 f"torch's AdamW works as it is; for FusedAdam {adam.fix}")
 
 
-def gpus_needed(recipe: Recipe, joins_ray_cluster: bool) -> tuple[int, str, list[str]]:
-    """(GPUs this node needs for `recipe`, what for, the keys that set that number). Learner rank r
-    takes GPU r; rollout workers of their own (`processes`, a local Ray) take the GPUs after them
-    (`anytime.rollout.placement.gpus_after_learners`); `inprocess` and `colocated` share the learners'."""
-    from anytime.recipe_checks import resolve_placement
+def _check_precision(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
+    """This machine's bf16 (the CPU's capability, a native bf16 GEMM or not) and, given a recipe, what
+    its precision settings become here: the run's own resolution (`anytime.core.precision`)."""
+    from anytime.core.precision import CPU_SLOWDOWN, low_precision_weights_note, resolve_bf16
+    from anytime.errors import RecipeError
 
-    learner, rollout = recipe.learner, recipe.rollout
-    learners = learner.processes
-    keys = ["learner.pipeline.stages" if learner.num_processes == 1 and learner.pipeline.stages > 1
-            else "learner.num_processes"]
-    placement = resolve_placement(recipe, learners)
-    what = f"{learners} learner process(es)"
-    if placement not in ("processes", "ray") or (placement == "ray" and joins_ray_cluster):
-        shared = "on the Ray cluster at RAY_ADDRESS" if placement == "ray" else "on the learners' GPUs"
-        return learners, f"{what}, rollout.placement {placement} {shared}", keys
-    per_worker = rollout.ray_gpus_per_worker if placement == "ray" and rollout.ray_gpus_per_worker is not None else 1.0
-    workers = math.ceil(rollout.workers * per_worker)
-    keys += ["rollout.workers"] + (["rollout.ray_gpus_per_worker"] if placement == "ray" else [])
-    return learners + workers, f"{what} + {rollout.workers} rollout worker(s) of rollout.placement {placement}", keys
+    facts = precision_facts()
+    cuda = bool(torch_facts.get("cuda_available"))
+    device = "cuda" if cuda else "cpu"
+    native = facts["cuda_bf16"] if cuda else facts["cpu_bf16"]
+    where = "this GPU" if cuda else f"this CPU ({facts['capability']})"
+    cost = "emulated, slower than float32" if cuda else CPU_SLOWDOWN.get(facts["cpu_bf16_path"], "no slower")
+    yes_no = {True: "yes", False: "no"}
+    seen = f"CPU {facts['capability']}, native bf16 GEMM: {yes_no[facts['cpu_bf16']]}"
+    if cuda:
+        seen += f"; GPU native bf16: {yes_no[facts['cuda_bf16']]}"
+    if recipe is None:
+        if native:
+            return Check("precision", "ok", seen)
+        return Check("precision", "warn", f"{seen}: bf16 runs {cost} here",
+                     "use learner.bf16: auto (float32 here) and model.dtype: float32; `anytime doctor RECIPE` "
+                     "shows what a recipe's settings become here")
+    try:
+        choice = resolve_bf16(recipe.learner.bf16, device, native, where, cost)
+    except RecipeError as exc:
+        return Check("precision", "problem", f"{seen}; {exc}", "set learner.bf16=auto or learner.bf16=false")
+    became = [choice.shown] if recipe.learner.bf16 == "auto" else []
+    note = low_precision_weights_note(recipe.model.dtype, device, native, where, cost)
+    if note:
+        return Check("precision", "warn", "; ".join([seen, *became, note]), "set model.dtype=float32")
+    if choice.enabled and not native:   # an explicit true on an older GPU: kept, emulated
+        return Check("precision", "warn", f"{seen}; {choice.reason}", "set learner.bf16=auto")
+    return Check("precision", "ok", "; ".join([seen, *(became or ["the recipe's precision runs as written"])]))
+
+
+def recipe_plan(torch_facts: dict[str, Any], recipe: Recipe) -> Any:
+    """The recipe's placement plan on this machine (`anytime.config.placement_plan`), as the run makes it."""
+    from anytime.config.placement_plan import Machine, placement_plan
+
+    cuda = bool(torch_facts.get("cuda_available"))
+    machine = Machine(cuda=cuda, gpus=int(torch_facts.get("devices", 0)) if cuda else 0,
+                      ray_installed=importlib.util.find_spec("ray") is not None, ray_cluster=ray_address() is not None)
+    return placement_plan(recipe, machine)
+
+
+def _check_placement(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
+    """Where the recipe's engines run and how weights reach them, and what this machine lacks for it
+    besides GPUs (`_check_gpus` counts those)."""
+    if recipe is None:
+        return Check("placement", "ok", "`anytime doctor RECIPE` shows where a recipe's rollouts run")
+    plan = recipe_plan(torch_facts, recipe)
+    if plan.lacks:
+        return Check("placement", "problem", plan.describe(), "; ".join(plan.lacks))
+    return Check("placement", "ok", plan.describe())
 
 
 def _check_gpus(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
@@ -259,11 +320,13 @@ def _check_gpus(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
     have = torch_facts["devices"]
     if recipe is None:
         return Check("gpus", "ok", f"{have} usable; `anytime doctor RECIPE` checks what a recipe needs")
-    need, what, keys = gpus_needed(recipe, joins_ray_cluster=ray_address() is not None)
-    detail = f"the recipe needs {need} ({what}), this machine has {have}"
-    if need > have:
-        return Check("gpus", "problem", detail, f"lower {', '.join(keys)} (or use rollout.placement: colocated, "
-                     "which shares the learners' GPUs)")
+    plan = recipe_plan(torch_facts, recipe)
+    apart = f" + {plan.workers} rollout worker(s) of rollout.placement {plan.placement}" if plan.apart else (
+        f", rollout.placement {plan.placement} on the learners' GPUs")
+    detail = f"the recipe needs {plan.gpus_needed} ({plan.learner_processes} learner process(es){apart}), " \
+             f"this machine has {have}"
+    if plan.gpu_shortage:
+        return Check("gpus", "problem", detail, plan.gpu_shortage.split(": ", 1)[1])
     return Check("gpus", "ok", detail)
 
 
@@ -294,7 +357,8 @@ def diagnose(network: bool = False, recipe: Recipe | None = None) -> list[Check]
     torch_facts = torch_info()
     return [_check_python(), _check_torch(), _check_vision_packages(), _check_vllm(),
             _check_optional("deepspeed", "deepspeed", deepspeed_probe, "learner.backend: deepspeed", "deepspeed"),
-            _check_cuda_toolkit(torch_facts), _check_gpus(torch_facts, recipe),
+            _check_cuda_toolkit(torch_facts), _check_gpus(torch_facts, recipe), _check_placement(torch_facts, recipe),
+            _check_precision(torch_facts, recipe),
             _check_optional("ray", "ray", ray_probe, "rollout.placement: ray", "ray"),
             _check_math_verify(), _check_memory(), _check_hub(network)]
 

@@ -9,6 +9,8 @@ import functools
 from typing import Any
 
 from anytime.algo.budget import validate_grid
+from anytime.config.answer_format import AnswerFormat
+from anytime.config.placement_plan import placement_plan
 from anytime.errors import RecipeError
 
 
@@ -17,22 +19,11 @@ def require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
-def resolve_placement(r: Any, world: int | None = None) -> str:
-    """Where a run's rollouts go: `rollout.placement`, with `auto` resolved from the learner world
-    (default: the learner processes the recipe starts, pipeline stages included). The one rule, used by
-    the recipe checks, the run and `anytime doctor`."""
-    placement = r.rollout.placement
-    if placement != "auto":
-        return placement
-    if r.rollout.staleness_mode == "inflight":   # in flight needs a worker of its own
-        return "processes"
-    return "inprocess" if (r.learner.processes if world is None else world) == 1 else "colocated"
-
-
 def check_rollout(r: Any) -> None:
-    """`rollout`: where workers run, staleness and in-flight updates (r: an `anytime.config.Recipe`)."""
-    placement = resolve_placement(r)
-    apart = placement in ("ray", "processes")   # workers in processes of their own
+    """`rollout`: where workers run, staleness and in-flight updates (r: an `anytime.config.Recipe`); the
+    placement plan's own refusals (`anytime.config.placement_plan`) raise here too."""
+    plan = placement_plan(r)
+    placement, apart = plan.placement, plan.apart
     require(r.rollout.workers == 1 or apart, f"`rollout.workers` ({r.rollout.workers}) > 1 needs `rollout.placement: "
             "ray` or `processes`; colocated runs one worker per learner process (raise learner.num_processes)")
     k, shared = r.rollout.max_staleness, placement == "colocated"
@@ -100,9 +91,11 @@ def check_precision(r: Any) -> None:
     require(not (r.learner.backend == "torch" and r.learner.pipeline.stages > 1),
             f"the torch pipeline learner would step `model.dtype: {r.model.dtype}` weights with no float32 copy, "
             "losing small updates: use learner.backend=deepspeed (its ZeRO keeps one) or model.dtype=float32")
-    require(not (r.learner.backend == "deepspeed" and r.learner.zero_stage == 0 and not r.learner.bf16),
-            f"DeepSpeed ZeRO-0 without `learner.bf16` would step `model.dtype: {r.model.dtype}` weights with no "
-            "float32 copy, losing small updates: set learner.bf16=true, learner.zero_stage >= 1, or model.dtype=float32")
+    # `auto` may resolve to float32 on the run's device (no native bf16): only an explicit true keeps the copy
+    require(not (r.learner.backend == "deepspeed" and r.learner.zero_stage == 0 and r.learner.bf16 is not True),
+            f"DeepSpeed ZeRO-0 without `learner.bf16: true` would step `model.dtype: {r.model.dtype}` weights with "
+            "no float32 copy, losing small updates: set learner.bf16=true, learner.zero_stage >= 1, or "
+            "model.dtype=float32")
 
 
 def check_old_logprobs(r: Any) -> None:
@@ -201,9 +194,7 @@ def check_recipe(r: Any) -> None:
     require(r.trainer.keep_last > 0, f"`trainer.keep_last` must be positive, got {r.trainer.keep_last}")
     require(r.trainer.dist_timeout_minutes > 0,
              f"`trainer.dist_timeout_minutes` must be positive, got {r.trainer.dist_timeout_minutes}")
-    require(r.summary.think_end in r.summary.close_text,
-             f"`summary.close_text` {r.summary.close_text!r} must contain `summary.think_end` {r.summary.think_end!r}")
-    require(r.summary.header.strip() != "", "`summary.header` must not be blank; the verifier looks for it")
+    AnswerFormat.from_recipe(r)   # the answer format's own rules (`summary.*`), each naming its key
     if r.rollout.max_model_len is not None:
         need = r.data.max_prompt_len + b.max_thinking
         require(r.rollout.max_model_len >= need,

@@ -15,13 +15,13 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from anytime import defaults
-from anytime.algo import (BUDGET_PRIORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFFPOLICY_CORRECTIONS, SUMMARY_ESTIMATORS,
-                          THINKING_ESTIMATORS, VARIANCE_REDUCTIONS)
-from anytime.algo.budget import even_grid, prior_probs
+from anytime.algo import (KL_ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, OFFPOLICY_CORRECTION_NAMES, SUMMARY_ESTIMATOR_NAMES,
+                          THINKING_ESTIMATOR_NAMES, VARIANCE_REDUCTION_NAMES)
+from anytime.algo.budget import BUDGET_PRIORS, even_grid, prior_probs
 from anytime.components import ENGINES, LEARNERS, LR_SCHEDULES, PLACEMENTS
-from anytime.recipe_checks import check_recipe
-from anytime.core.recipe_files import parse_override, read_recipe_data
-from anytime.core.schema import build, keys, opt, reference
+from anytime.config.checks import check_recipe
+from anytime.config.files import parse_override, read_recipe_data
+from anytime.config.schema import build, keys, opt, reference
 from anytime.errors import RecipeError  # noqa: F401 (callers catch it from here, with the schema)
 from anytime.pipeline import SCHEDULES
 from anytime.registry import Choice
@@ -107,7 +107,7 @@ class RolloutConfig:
                                   "regenerated (same samples); 0 = the step fails naming the worker")
     dynamic_sampling: bool = opt(
         False, "DAPO's dynamic sampling: drop groups whose rewards (every summary, all traces and budgets) are all "
-               "equal and refill their slots from more prompts (anytime.rollout.dynamic_sampling)")
+               "equal and refill their slots from more prompts (anytime.rollout.workers.dynamic_sampling)")
     dynamic_sampling_max_draws: int = opt(
         3, "dynamic sampling: prompts drawn per slot at most (the data advances by this many per slot and step); a "
            "slot with no mixed group after them trains nothing that step")
@@ -141,7 +141,7 @@ class SummaryConfig:
     header: str = opt(defaults.HEADER, "the answer header after the thinking; the verifier reads the answer below it")
     think_end: str = opt(defaults.THINK_END, "the model's end-of-thinking marker (one token)")
     temperature: float = opt(1.0, "sampling temperature of the summaries")
-    estimator: Annotated[str, Choice(SUMMARY_ESTIMATORS)] = opt(
+    estimator: Annotated[str, Choice(SUMMARY_ESTIMATOR_NAMES)] = opt(
         "brpo", "summary advantages: brpo (each cut's own baseline) or grpo (the last budget only)")
     loss_weight: float = opt(1.0, "weight of the summary tokens' loss")
     eos_ends_thinking: bool = opt(
@@ -152,14 +152,14 @@ class SummaryConfig:
 
 @dataclass
 class AlgorithmConfig:
-    estimator: Annotated[str, Choice(THINKING_ESTIMATORS)] = opt("brpo", "advantages of the thinking tokens")
-    variance_reduction: Annotated[str, Choice(VARIANCE_REDUCTIONS)] = opt(
+    estimator: Annotated[str, Choice(THINKING_ESTIMATOR_NAMES)] = opt("brpo", "advantages of the thinking tokens")
+    variance_reduction: Annotated[str, Choice(VARIANCE_REDUCTION_NAMES)] = opt(
         "brpo", "BRPO's baseline: the paper's mix (brpo), one of its parts, or none")
     decay: float = opt(0.5, "λ of BRPO's progress baseline V1")
     thinking_loss_weight: float = opt(1.0, "weight of the thinking tokens' loss")
     clip_low: float = opt(0.2, "PPO clip below: ratio ≥ 1 − clip_low")
     clip_high: float = opt(0.2, "PPO clip above: ratio ≤ 1 + clip_high (clip-higher when larger)")
-    loss_agg: Annotated[str, Choice(LOSS_AGGREGATIONS)] = opt(
+    loss_agg: Annotated[str, Choice(LOSS_AGGREGATION_NAMES)] = opt(
         "constant", "loss normaliser: token-mean (DAPO), seq-mean-token-mean (GRPO), constant (Dr.GRPO, the paper)")
     # Width of the `constant` normaliser (loss = Σ token terms / (traces × width)). The official
     # code uses its max_response_length, fixed per recipe: 10176 = 8000 + 16 × 136 for the 8k runs.
@@ -168,9 +168,9 @@ class AlgorithmConfig:
         None, "width of the `constant` normaliser (the official code's max_response_length); null = largest budget + "
               "S·A·(inserted + summary tokens)")
     kl_coef: float = opt(0.0, "weight of the KL to the reference model (needs learner.reference_model)")
-    kl_type: Annotated[str, Choice(KL_ESTIMATORS)] = opt("k3", "per-token KL estimator")
+    kl_type: Annotated[str, Choice(KL_ESTIMATOR_NAMES)] = opt("k3", "per-token KL estimator")
     entropy_coef: float = opt(0.0, "weight of the entropy bonus")
-    offpolicy_correction: Annotated[str, Choice(OFFPOLICY_CORRECTIONS)] = opt(
+    offpolicy_correction: Annotated[str, Choice(OFFPOLICY_CORRECTION_NAMES)] = opt(
         "none", "weight advantages by π_learner/π_engine of the sampled tokens (anytime.algo.offpolicy): none, "
                 "tis (truncated at is_cap) or mis (0 above is_cap)")
     is_level: Literal["token", "sequence"] = opt("token", "importance weight per token or per sampled sequence")
@@ -226,7 +226,10 @@ class LearnerConfig:
         True, "one tree-packed row per trace (summaries as branches) instead of a row per summary")
     logprob_chunk_tokens: int = opt(1024, "tokens per LM-head chunk: no [tokens × vocab] logits beyond one chunk")
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3; 1-2 with a pipeline)")
-    bf16: bool = opt(False, "bf16 mixed precision: DeepSpeed's bf16 mode; torch: autocast of the forward passes")
+    bf16: bool | Literal["auto"] = opt(
+        False, "bf16 mixed precision (DeepSpeed's bf16 mode; torch: autocast of the forward passes and the warm "
+               "start); auto = bf16 where the device has a native bf16 GEMM, else float32 (logged); true on a CPU "
+               "without one is refused (~4x to ~34x slower there: AVX-512 without bf16, AVX2)")
     old_logprobs: Literal["recompute", "update"] = opt(
         "recompute", "the PPO ratio's old log-probs: recompute = a learner pass before the update; update = the update's "
                      "own, detached (fully on-policy steps only: one epoch, one mini-batch, lock-step; saves a pass)")
@@ -312,7 +315,7 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
 
-REFERENCE_INTRO = """Every key of a recipe, generated from the schema (`anytime/config.py`) by `anytime config
+REFERENCE_INTRO = """Every key of a recipe, generated from the schema (`anytime/config/recipe.py`) by `anytime config
 --reference`; a test fails when this file is stale. A recipe is YAML with these sections; `base:
 other.yaml` inherits another recipe, and `anytime train RECIPE key.path=value ...` overrides any key
 (the value is read as YAML: `budget.budgets=[16,32]`, `data.limit=null`). Defaults are the paper's

@@ -1,6 +1,5 @@
-"""Rollout: engines that sample thinking traces and prefix-shared summaries (`engine`, with
-`hf` and `vllm`), the anytime rollout on one engine (`runner`, `settings`, `seeding`), the rollout
-worker that turns prompts into a `TrainBatch` (`worker`), and where workers run (`placement`,
-`local`, `processes`, `ray_workers`), registered in `anytime.components`. The rollout imports the
-data contract (`anytime.batch`), never the learner.
+"""Rollout: the anytime rollout on one engine (`runner`: thinking traces, cuts, summaries, verified
+scores; `settings`, `seeding`), the engines behind it (`engines`: transformers and vLLM), and the workers
+that run it where the placement plan puts them (`workers`), registered in `anytime.components`. The
+rollout imports the data contract (`anytime.batch`), never the learner, the trainer or serving.
 """

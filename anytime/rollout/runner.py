@@ -23,21 +23,8 @@ import torch
 from anytime.algo.budget import validate_grid
 from anytime.batch.anytime_rollout import AnytimeRollout, eos_zeroed, padded
 from anytime.reward.verifier import REASONS, RewardScorer, Verdict
-from anytime.rollout.engine import Branch, Completion, RolloutEngine
+from anytime.rollout.engines.engine import Branch, Completion, RolloutEngine
 from anytime.rollout.settings import AnytimeSettings, sampling_configs
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-
-def token_id_of(tokenizer: Any, text: str) -> int:
-    """The single token id of a marker such as `</think>`; an error if it is not one token."""
-    ids = encode_text(tokenizer, text)
-    if len(ids) != 1:
-        raise ValueError(f"{text!r} is {len(ids)} tokens for this tokenizer; the thinking end marker must be one "
-                         "token (set summary.think_end to the model's own marker)")
-    return ids[0]
 
 
 class AnytimeRolloutRunner:
@@ -45,25 +32,19 @@ class AnytimeRolloutRunner:
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, scorer: RewardScorer, settings: AnytimeSettings):
         self.engine, self.tokenizer, self.scorer, self.settings = engine, tokenizer, scorer, settings
-        self.think_end_id = token_id_of(tokenizer, settings.think_end)
-        self.close_ids = encode_text(tokenizer, settings.close_text)
-        self.header_ids = encode_text(tokenizer, settings.header)
+        ids = settings.format.ids(tokenizer)
+        self.think_end_id, self.close_ids, self.header_ids = ids.think_end, list(ids.close), list(ids.header)
+        self.room_after_cut = settings.format.room_after_cut(tokenizer)
         eos = tokenizer.eos_token_id
         self.eos_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
         validate_grid(settings.budgets)
         self._check_lengths(settings.budgets)
 
-    @property
-    def inserted_max(self) -> int:
-        """The most tokens ever inserted between a cut and its summary (close + header)."""
-        return len(self.close_ids) + len(self.header_ids)
-
     def _check_lengths(self, budgets: Sequence[int]) -> None:
-        extra = self.inserted_max + self.settings.summary_max_tokens
         limit = self.engine.max_model_len
-        if budgets[-1] + extra >= limit:
-            raise ValueError(f"the largest budget {budgets[-1]} plus {extra} summary tokens does not fit the engine's "
-                             f"max model length {limit}; lower the budgets or raise rollout.max_model_len")
+        if budgets[-1] + self.room_after_cut >= limit:
+            raise ValueError(f"the largest budget {budgets[-1]} plus {self.room_after_cut} summary tokens does not fit "
+                             f"the engine's max model length {limit}; lower the budgets or raise rollout.max_model_len")
 
     def summary_plan(self, length: int, natural_end: bool, eos_end: bool,
                      budgets: Sequence[int]) -> tuple[list[Branch], list[int]]:
@@ -142,7 +123,7 @@ class AnytimeRolloutRunner:
         """A finished trace's `summary_plan`, and whether it ended by itself and whether on EOS."""
         natural = bool(ids) and ids[-1] == self.think_end_id
         eos = bool(ids) and ids[-1] in self.eos_ids
-        if eos and self.settings.eos_ends_thinking:
+        if eos and self.settings.format.eos_ends_thinking:
             # an instruct model's EOS ends its thinking: a natural end, whose summaries are forced
             # after the trace without its EOS (close + header) at every budget past it
             return self.summary_plan(len(ids) - 1, False, False, budgets), True, False
@@ -179,10 +160,14 @@ class AnytimeRolloutRunner:
         """Everything sampled and scored, as padded [B, G, S, A] tensors."""
         B, G, S, A = len(prompts), self.settings.traces_per_prompt, len(budgets), self.settings.summaries_per_budget
         cuts = [br.cut for branches, _ in plans for br in branches]
-        stamped = all(len(c.versions) == len(c.token_ids) for c in (*traces, *summaries))
-        versions = {"think_versions": padded([c.versions for c in traces], torch.long, (B, G)),
-                    "summary_versions": padded([c.versions for c in summaries], torch.long, (B, G, S, A))
-                    } if stamped else {}
+        # each token's weight version: its own where the engine swaps weights mid-generation, else the
+        # version the engine held for the whole rollout
+        held = self.engine.version
+        own = all(len(c.versions) == len(c.token_ids) for c in (*traces, *summaries))
+        think_v = [c.versions if own else [held] * len(c.token_ids) for c in traces]
+        summary_v = [c.versions if own else [held] * len(c.token_ids) for c in summaries]
+        versions = {"think_versions": padded(think_v, torch.long, (B, G)),
+                    "summary_versions": padded(summary_v, torch.long, (B, G, S, A))}
         return AnytimeRollout(
             budgets=budgets, golds=list(golds),
             prompt_ids=padded(prompts, torch.long, (B,)),

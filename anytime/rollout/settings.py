@@ -1,8 +1,9 @@
 """The rollout's settings (`AnytimeSettings`), built from a training recipe in one place
 (`training_settings`); the held-out eval builds its own from the recipe's eval section through
 `anytime.evaluation.options`, the same path as `anytime eval --recipe` (always with seeded requests).
-Also the sampling configs of a rollout's thinking and summaries (`sampling_configs`) and the engine's
-longest request under a recipe (`engine_max_len`).
+The answer format is the settings' `format` (`anytime.config.answer_format`), held, not copied. Also the
+sampling configs of a rollout's thinking and summaries (`sampling_configs`) and the engine's longest
+request under a recipe (`engine_max_len`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from anytime import defaults
+from anytime.config.answer_format import AnswerFormat
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
-    from anytime.rollout.engine import SamplingConfig
+    from anytime.rollout.engines.engine import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,11 @@ class AnytimeSettings:
     budgets: tuple[int, ...]
     traces_per_prompt: int            # G
     summaries_per_budget: int         # A
-    summary_max_tokens: int = defaults.SUMMARY_MAX_TOKENS
-    close_text: str = defaults.CLOSE_TEXT
-    header: str = defaults.HEADER
-    think_end: str = defaults.THINK_END
+    format: AnswerFormat = AnswerFormat()
     temperature: float = 1.0
     top_p: float = 1.0
     summary_temperature: float = 1.0
     seed: int = 0
-    eos_ends_thinking: bool = False   # instruct models: EOS closes the thinking (see the runner)
     # one seed per request (placement-invariant samples); False: unseeded, the engine's own generator
     # (`rollout.seed_requests`)
     seed_requests: bool = True
@@ -42,11 +39,10 @@ class AnytimeSettings:
 def training_settings(recipe: Recipe) -> AnytimeSettings:
     """The training rollout of a recipe: its budget grid, G traces, A summaries per budget."""
     r, s = recipe, recipe.summary
-    return AnytimeSettings(tuple(r.budget.grid()), r.rollout.n, s.n, summary_max_tokens=s.max_tokens,
-                           close_text=s.close_text, header=s.header, think_end=s.think_end,
+    return AnytimeSettings(tuple(r.budget.grid()), r.rollout.n, s.n, AnswerFormat.from_recipe(r),
                            temperature=r.rollout.temperature, top_p=r.rollout.top_p,
                            summary_temperature=s.temperature, seed=r.trainer.seed,
-                           eos_ends_thinking=s.eos_ends_thinking, seed_requests=r.rollout.seed_requests)
+                           seed_requests=r.rollout.seed_requests)
 
 
 def sampling_configs(s: AnytimeSettings, budgets: Sequence[int], seed: int, prompt_index: Sequence[int],
@@ -55,7 +51,7 @@ def sampling_configs(s: AnytimeSettings, budgets: Sequence[int], seed: int, prom
     thinking request from (seed, the prompt's global index), one per summary branch from (seed + 1, its
     global branch index), so a sample does not depend on the worker or batch that serves it. Unseeded:
     no seeds at all (the engine samples from its own generator)."""
-    from anytime.rollout.engine import SamplingConfig
+    from anytime.rollout.engines.engine import SamplingConfig
     from anytime.rollout.seeding import request_seeds
 
     G, S = s.traces_per_prompt, len(budgets)
@@ -66,21 +62,16 @@ def sampling_configs(s: AnytimeSettings, budgets: Sequence[int], seed: int, prom
                                                  for g in range(G) for j in range(S)])
     thinking = SamplingConfig(max_new_tokens=budgets[-1], n=G, temperature=s.temperature, top_p=s.top_p,
                               stop_token_ids=tuple(think_stop), request_seeds=think_seeds)
-    summary = SamplingConfig(max_new_tokens=s.summary_max_tokens, n=s.summaries_per_budget,
+    summary = SamplingConfig(max_new_tokens=s.format.summary_max_tokens, n=s.summaries_per_budget,
                              temperature=s.summary_temperature, top_p=s.top_p, stop_token_ids=tuple(eos_ids),
                              request_seeds=summary_seeds)
     return thinking, summary
 
 
-def text_tokens(tokenizer: Any, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-
-
 def engine_max_len(recipe: Recipe, tokenizer: Any) -> int:
-    """The longest request the rollout makes: the longest prompt, a whole thinking budget, the
-    inserted close and header, and a summary (unless the recipe sets rollout.max_model_len)."""
+    """The longest request the rollout makes: the longest prompt, a whole thinking budget and the room
+    a summary needs after the cut (unless the recipe sets rollout.max_model_len)."""
     if recipe.rollout.max_model_len is not None:
         return recipe.rollout.max_model_len
-    s = recipe.summary
-    inserted = text_tokens(tokenizer, s.close_text) + text_tokens(tokenizer, s.header)
-    return recipe.data.max_prompt_len + recipe.budget.max_thinking + inserted + s.max_tokens
+    return (recipe.data.max_prompt_len + recipe.budget.max_thinking
+            + AnswerFormat.from_recipe(recipe).room_after_cut(tokenizer))

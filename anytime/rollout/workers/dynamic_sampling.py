@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from anytime.batch.anytime_rollout import AnytimeRollout
+from anytime.batch.step_sums import StepSums
 
 
 def mixed_groups(scores: torch.Tensor) -> torch.Tensor:
@@ -46,11 +47,11 @@ class Draws:
     kept_slots: list[list[int]] = field(default_factory=list)
     slots: int = 0
 
-    def counts(self) -> dict[str, float]:
-        """Metric sums that add up over workers (see `dynamic_metrics`)."""
-        drawn = sum(len(r.golds) for r in self.drawn)
-        kept = sum(len(k) for k in self.kept)
-        return {"dynamic/slots": float(self.slots), "dynamic/drawn": float(drawn), "dynamic/kept": float(kept)}
+    def counts(self) -> StepSums:
+        """Metric sums that add up over workers (`StepSums.metrics` names the metrics: the share of groups
+        dropped for one reward, prompts drawn per one kept, slots that train nothing)."""
+        return StepSums(dynamic_slots=float(self.slots), dynamic_drawn=float(sum(len(r.golds) for r in self.drawn)),
+                        dynamic_kept=float(sum(len(k) for k in self.kept)))
 
 
 def draw_mixed_groups(run: Callable[[list[Any], list[Any], list[int]], AnytimeRollout],
@@ -75,13 +76,3 @@ def draw_mixed_groups(run: Callable[[list[Any], list[Any], list[int]], AnytimeRo
         filled = {chosen[b] for b in keep}
         pending = [s for s in pending if s not in filled]
     return draws
-
-
-def dynamic_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The step's dynamic-sampling metrics from the added-up `Draws.counts` of its workers."""
-    drawn, kept, slots = sums["dynamic/drawn"], sums["dynamic/kept"], sums["dynamic/slots"]
-    return {
-        "rollout/dynamic_dropped_frac": (drawn - kept) / max(drawn, 1.0),      # groups with one reward
-        "rollout/dynamic_drawn_per_kept": drawn / max(kept, 1.0),              # prompts drawn per one kept
-        "rollout/dynamic_unfilled_frac": (slots - kept) / max(slots, 1.0),     # slots that train nothing
-    }

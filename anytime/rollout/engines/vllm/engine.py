@@ -10,10 +10,9 @@ A lone learner runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 the worker by reference through ``collective_rpc``. Inside a multi-process learner (a default process
 group of world size > 1) the engine gets a process of its own instead, because vLLM would otherwise
 build its groups on the trainer's default group and wait for the other learner ranks forever; weights
-then travel to it as a safetensors file in RAM (/dev/shm), several times faster than sending the
-bytes through the RPC. Both paths load weights through the same worker method
-(:class:`AnytimeWorkerExtension`), and both seed each request on its own, so a seeded call samples
-the same tokens in either layout.
+then travel to it through vLLM's weight-transfer engine, as on a GPU (`IpcWeightLoader`: CUDA IPC there,
+its CPU twin here, a shared-memory file the engine's worker maps). Both layouts seed each request on its
+own, so a seeded call samples the same tokens in either.
 In flight (`rollout.staleness_mode: inflight`) the step loop takes each new weight version between two
 engine steps through vLLM's RL interface (pause with requests kept, load, `update_weight_version`,
 resume) and reads every token's version from vLLM's `weight_versions` spans (docs/async.md).
@@ -33,13 +32,15 @@ from typing import Any
 
 import torch
 
-from anytime.rollout.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
+from anytime.rollout.engines.engine import (AnytimeGeneration, Branch, Completion, EngineError, PlanFn, RolloutEngine,
                                     SamplingConfig, check_lengths, check_logprobs_mode)
-from anytime.rollout.streaming import AnytimeStream, Request
-from anytime.rollout.vllm.process import (RPC_PATH, check_head_dim, engine_env, gpu_kwargs, inside_process_group,
-                                         launcher_env_hidden, rendezvous_file, set_process_env, vllm_on_cpu)
-from anytime.rollout.vllm.weights import AnytimeWorkerExtension, IpcWeightLoader
-from anytime.rollout.weight_files import weight_file_globs, write_adapter, write_weights
+from anytime.rollout.engines.streaming import AnytimeStream, Request
+from anytime.rollout.engines.vllm.process import (RPC_PATH, check_head_dim, gpu_kwargs, inside_process_group,
+                                         launcher_env_hidden, rendezvous_file, set_process_env, torch_threads_kept,
+                                         vllm_on_cpu, weight_transfer_env)
+from anytime.rollout.engines.vllm.plugin import cpu_ipc_backend
+from anytime.rollout.engines.vllm.weights import AnytimeWorkerExtension, IpcWeightLoader
+from anytime.rollout.engines.weight_files import weight_file_globs, write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class VLLMEngine(RolloutEngine):
             block lets summaries reuse nearly all of the thinking prefix), vLLM's default on GPU.
         kv_cache_gb: KV cache size on CPU in GiB (ignored on GPU, where gpu_memory_utilization rules).
         gpu_memory_utilization: fraction of GPU memory vLLM may take (leave room for a colocated learner).
-        enable_sleep_mode: allow ``sleep()``/``wake_up()`` (GPU only); default True on GPU.
+        enable_sleep_mode: allow ``sleep()``/``wake_up()`` (GPU only); off unless asked for: sleep mode puts vLLM
+            on its own allocator, which only an engine that sleeps beside a learner needs.
         cpu_threads_bind: value for ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0-1"); vLLM reads it once per
             process, so it only takes effect for the first engine a process starts.
         own_process: run the engine in a process of its own; default: only inside a multi-process
@@ -83,7 +85,7 @@ class VLLMEngine(RolloutEngine):
         block_size: int | None = None,
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.5,
-        enable_sleep_mode: bool | None = None,
+        enable_sleep_mode: bool = False,
         cpu_threads_bind: str | None = None,
         own_process: bool | None = None,
         stream_summaries: bool = True,
@@ -101,15 +103,15 @@ class VLLMEngine(RolloutEngine):
         self.own_process = self._resolve_own_process(own_process)
         set_process_env(self.own_process, cpu_threads_bind)
         self.on_cpu = vllm_on_cpu()
-        # an engine core of its own on a GPU takes weights by CUDA IPC (`_load_into_engine`)
-        self._ipc_transfer = self.own_process and not self.on_cpu
+        # an engine core of its own takes weights through vLLM's weight transfer (`_load_into_engine`)
+        self._ipc_transfer = self.own_process
         check_head_dim(model_path, config, self.on_cpu)
 
         self.max_model_len = max_model_len
         self.max_prompt_len = max_prompt_len
         self.vocab_size = int(config.vocab_size)
         self._weight_shapes = self._expected_weights(config)
-        self._sleep_enabled = (not self.on_cpu) if enable_sleep_mode is None else enable_sleep_mode and not self.on_cpu
+        self._sleep_enabled = enable_sleep_mode and not self.on_cpu
         if enable_sleep_mode and self.on_cpu:
             logger.info("vLLM sleep mode is GPU-only; sleep()/wake_up() will be no-ops on this CPU engine")
 
@@ -162,6 +164,8 @@ class VLLMEngine(RolloutEngine):
                 # vLLM's CPU generator cannot rewind a seeded request between prefill chunks
                 enable_chunked_prefill=False,
             )
+            if self._ipc_transfer:   # the GPU's conversation, with the CPU twin of its IPC backend
+                kwargs["weight_transfer_config"] = {"backend": cpu_ipc_backend()}
         else:
             kwargs.update(gpu_kwargs(torch.cuda.current_device(), gpu_memory_utilization=gpu_memory_utilization,
                                      sleep=self._sleep_enabled, ipc_transfer=self._ipc_transfer))
@@ -187,7 +191,8 @@ class VLLMEngine(RolloutEngine):
         self._ipc_dir = (tempfile.mkdtemp(prefix=f"anytime-vllm-{os.getpid()}-")
                          if self.own_process and RPC_PATH not in os.environ else None)
         try:
-            with launcher_env_hidden(self._ipc_dir, engine_env(self._ipc_transfer)):
+            os.environ.update(weight_transfer_env(self._ipc_transfer))   # both ends: see weight_transfer_env
+            with launcher_env_hidden(self._ipc_dir), torch_threads_kept():
                 self._llm = self._start(kwargs)
         except Exception as e:
             if self._ipc_dir is not None:
@@ -380,19 +385,15 @@ class VLLMEngine(RolloutEngine):
 
     def _load_into_engine(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         """In this process: the tensors themselves, by reference. An engine core in its own process takes
-        a safetensors file in /dev/shm on the CPU, and on a GPU the tensors through vLLM's weight-transfer
-        engine (CUDA IPC: mapped by the engine's workers, no host copy; untested, no GPU here)."""
+        them through vLLM's weight-transfer engine, mapped by its workers: CUDA IPC on a GPU, its CPU twin
+        (a shared-memory file) on the CPU, over the same calls and replies."""
         if self._ipc_transfer:
             if self._ipc_loader is None:
-                self._ipc_loader = IpcWeightLoader(self._api, torch.device("cuda", torch.cuda.current_device()))
+                device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+                self._ipc_loader = IpcWeightLoader(self._api, device)
             self._ipc_loader.load(updates)
             return
-        payload = write_weights(updates) if self.own_process else updates
-        try:
-            self._api("collective_rpc", "anytime_load_weights", args=(payload,))
-        finally:
-            if isinstance(payload, str):
-                os.unlink(payload)
+        self._api("collective_rpc", "anytime_load_weights", args=(updates,))
 
     def update_adapter(self, factors: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> None:
         """A new weight version of the learner's LoRA adapter: written as a PEFT folder, loaded as a
@@ -438,10 +439,10 @@ class VLLMEngine(RolloutEngine):
             return
         self._api("wake_up")
 
-    def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+    def init_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join learner rank 0's NCCL weight group (GPU engines; see `NcclWeightSender`)."""
         self._check_open()
-        self._api("collective_rpc", "anytime_init_weight_group", args=(host, port, rank, world_size))
+        self._api("collective_rpc", "anytime_init_weight_group", args=(host, port, rank, world_size, timeout_s))
 
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
         """Take the weights learner rank 0 broadcasts now, in `layout` order, and drop the prefix cache."""

@@ -10,9 +10,9 @@
 
 from typing import Any
 
-from anytime.rollout.vllm.async_engine import AsyncVLLMEngine
-from anytime.rollout.vllm.engine import VLLMEngine
-from anytime.rollout.vllm.weights import NcclWeightSender
+from anytime.rollout.engines.vllm.async_engine import AsyncVLLMEngine
+from anytime.rollout.engines.vllm.engine import VLLMEngine
+from anytime.rollout.engines.vllm.weights import NcclWeightSender
 
 FRONTENDS = ("llm", "async")
 

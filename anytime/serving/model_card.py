@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from anytime.rollout.protocol import AnswerProtocol
+from anytime.serving.protocol import AnswerProtocol
 
 ACCURACY_KEY = re.compile(r"eval/(?P<bench>.+)/acc@(?P<budget>\d+)$")
 
@@ -53,22 +53,22 @@ def accuracy_table(final_eval: dict[str, Any]) -> str:
 
 def model_card(name: str, protocol: AnswerProtocol, run: Path | None) -> str:
     budgets = protocol.budgets or [256, 1024]
-    b = budgets[0]
+    b, answer_format = budgets[0], protocol.format
     table = ""
     if run is not None and (run / "final_eval.json").is_file():
         table = accuracy_table(json.loads((run / "final_eval.json").read_text()))
     problem = f"What is 17 * 23? {protocol.instruction}".strip()
     request = json.dumps({"model": name, "messages": [{"role": "user", "content": problem}],
                           "thinking_token_budget": protocol.request_budget(b),
-                          "max_tokens": protocol.request_budget(b) + 16 + protocol.summary_max_tokens,
+                          "max_tokens": protocol.request_budget(b) + 16 + answer_format.summary_max_tokens,
                           "temperature": protocol.temperature, "top_p": protocol.top_p,
                           "skip_special_tokens": False})
     rows = "\n".join(f"| {x} | {protocol.request_budget(x)} |" for x in budgets)
     return f"""# {name}
 
 An anytime-reasoning model trained with anytime (BRPO): it answers at any thinking budget. A trace cut
-at budget B is closed with {protocol.close_text!r}, the answer follows the header {protocol.header!r}
-and is at most {protocol.summary_max_tokens} tokens long. The eval appended {protocol.instruction!r} to
+at budget B is closed with {answer_format.close_text!r}, the answer follows the header {answer_format.header!r}
+and is at most {answer_format.summary_max_tokens} tokens long. The eval appended {protocol.instruction!r} to
 every problem. The protocol is in `anytime_protocol.json`; `generation_config.json` holds the eval's
 sampling (temperature {protocol.temperature}, top-p {protocol.top_p}).
 

@@ -199,13 +199,18 @@ class RolloutEngine(abc.ABC):
         self._check_open()
         self._load_weights(self._checked_updates(named_tensors))
 
+    def took_version(self, version: int) -> None:
+        """The weights just loaded (between rollouts) are weight version `version`: every token sampled
+        from now on records it, so each token's staleness comes from the data in every mode."""
+        self.version = version
+
     # ---- in-flight weight updates (`rollout.staleness_mode: inflight`) ------------------------
     # An engine that can swap weights between decoding steps polls `weight_source` there (and
     # before each prefill): generation pauses only for the copy, unfinished sequences continue with
     # the new weights over the keys/values cached under the old ones (as PipelineRL does), and each
     # token records the version that computed its distribution (`Completion.versions`).
     supports_inflight_updates = False
-    version = 0                      # the weight version the engine holds (set by in-flight swaps)
+    version = 0                      # the weight version the engine holds (every sync and swap sets it)
     swaps = 0                        # in-flight swaps so far, and the seconds generation paused for them
     swap_seconds = 0.0
     weight_source: WeightSource | None = None

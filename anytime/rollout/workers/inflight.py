@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from anytime.batch.step_sums import StepSums
+
 if TYPE_CHECKING:
     from anytime.batch.anytime_rollout import AnytimeRollout
 
@@ -58,16 +60,16 @@ class WeightMailbox:
                                    f"{timeout_s:.0f} s (it holds version {max(held, self._taken)})")
 
 
-def version_sums(rollout: AnytimeRollout, step: int) -> dict[str, float]:
+def version_sums(rollout: AnytimeRollout, step: int) -> StepSums:
     """Staleness sums of a rollout trained at `step` (lag = step - the token's version), over every
-    sampled thinking and summary token; add up across workers (`max/` keys take the maximum)."""
+    sampled thinking and summary token; they add up across workers (the maximum stays one)."""
     if rollout.think_versions is None or rollout.summary_versions is None:
-        return {}
+        return StepSums()
     think_valid = torch.arange(rollout.think_versions.shape[-1]) < rollout.think_len[..., None]
     summary_valid = torch.arange(rollout.summary_versions.shape[-1]) < rollout.summary_len[..., None]
     lags = torch.cat([(step - rollout.think_versions)[think_valid], (step - rollout.summary_versions)[summary_valid]])
     versions = rollout.think_versions.masked_fill(~think_valid, -1)
     spans = versions.amax(-1) > versions.masked_fill(~think_valid, 1 << 62).amin(-1)
-    return {"token_lag_sum": float(lags.sum()), "token_lag_n": float(lags.numel()),
-            "max/token_lag": float(lags.max()) if lags.numel() else 0.0,
-            "mixed_version_traces": float((spans & (rollout.think_len > 0)).sum())}
+    return StepSums(token_lag=float(lags.sum()), token_lag_n=float(lags.numel()),
+                    token_lag_max=float(lags.max()) if lags.numel() else 0.0,
+                    mixed_version_traces=float((spans & (rollout.think_len > 0)).sum()))

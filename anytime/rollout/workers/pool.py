@@ -6,11 +6,11 @@ cache), collects their scored rollouts in submission order, and brings them the 
 queued behind the rollouts submitted before (locked staleness: a worker runs its calls in order, so
 batch t is generated with the weights of step t − k exactly) or offered at once, for the engine to
 take between two decoding steps (`rollout.staleness_mode: inflight`). A worker that fails, fails the
-step by name. Learner rank 0 then sends every learner rank its own rows (`Rollouts.distribute`).
+step by name. The trainer then sends every learner rank its own rows (`anytime.trainer.rows`).
 
 A `Transport` starts the workers and moves messages: a call and its reply, a version of the weights,
-an in-flight offer. `anytime.rollout.processes` carries them over pipes and /dev/shm files between
-local processes, `anytime.rollout.ray_workers` through Ray actors and its object store (or NCCL),
+an in-flight offer. `anytime.rollout.workers.processes` carries them over pipes and /dev/shm files between
+local processes, `anytime.rollout.workers.ray_workers` through Ray actors and its object store (or NCCL),
 and restarts a dead actor where the recipe allows. On the worker's side every transport drives
 the same `WorkerEndpoint`.
 """
@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from anytime.batch.anytime_rollout import ScoredRollout
-from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import broadcast_object, local_share, rank_world
-from anytime.rollout.placement import scatter_rows, scored_from_worker, to_numpy_tree
+from anytime.batch.weight_snapshot import WeightSnapshot
+from anytime.rollout.workers.wire import scored_from_worker, to_numpy_tree
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
-    from anytime.rollout.worker import RolloutWorker
+    from anytime.config.placement_plan import PlacementPlan
+    from anytime.rollout.workers.worker import RolloutWorker
 
 T = TypeVar("T")
 
@@ -39,20 +40,20 @@ class WorkerEndpoint:
     """A rollout worker as a transport's far end sees it: its calls take and return plain data
     (lists, numbers, numpy arrays), so that they cross a pipe or Ray's object store unchanged."""
 
-    def __init__(self, recipe: Recipe, model_path: str) -> None:
+    def __init__(self, recipe: Recipe, plan: PlacementPlan, model_path: str) -> None:
         from transformers import AutoTokenizer
 
-        from anytime.rollout.worker import RolloutWorker
+        from anytime.rollout.workers.worker import RolloutWorker
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
-        self.worker: RolloutWorker = RolloutWorker(recipe, model_path, tokenizer)
+        self.worker: RolloutWorker = RolloutWorker(recipe, plan, model_path, tokenizer)
 
     def rollout(self, prompts: list[list[int]], golds: list[Any], step: int, index: list[int], num_prompts: int,
                 min_version: int = 0) -> dict[str, Any]:
         return to_numpy_tree(self.worker.rollout(prompts, golds, step, index, num_prompts, min_version).to_state())
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.worker.update_weights(named_tensors)
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.worker.update_weights(named_tensors, version)
 
     def offer_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.worker.offer_weights(version, named_tensors)
@@ -83,8 +84,9 @@ class Transport(Protocol):
         """The reply to a call of worker i; a failure raises `RolloutWorkerError` naming the worker
         and `what` it was doing (a transport may instead restart the worker and call again)."""
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> list[Any]:
-        """Queue the weights on every worker, behind its earlier calls; the pending replies."""
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> list[Any]:
+        """Queue the weights (weight version `version`) on every worker, behind its earlier calls; the
+        pending replies."""
 
     def offer_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """In flight: hand the weights to every worker at once (its engine takes them at its next
@@ -106,14 +108,15 @@ class Submitted:
 
 class WorkerPool:
     """Rollout workers driven by learner rank 0 through a transport (other ranks receive their rows).
-    A placement names its transport's class; the class is built with (recipe, model_path)."""
+    A placement names its transport's class; the class is built with (recipe, plan, model_path)."""
 
-    transport_type: Callable[[Recipe, str], Transport]
+    transport_type: Callable[[Recipe, PlacementPlan, str], Transport]
 
-    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any, learner: Any) -> None:
+    def __init__(self, recipe: Recipe, plan: PlacementPlan, model_path: str, tokenizer: Any, learner: Any) -> None:
         self.recipe, self.learner = recipe, learner
         on_rank_zero = rank_world()[0] == 0
-        self.transport: Transport | None = type(self).transport_type(recipe, model_path) if on_rank_zero else None
+        self.transport: Transport | None = (type(self).transport_type(recipe, plan, model_path) if on_rank_zero
+                                            else None)
         self._offered = 0                          # in flight: the newest version offered
         self._syncs: list[tuple[int, list[Any]]] = []   # (sync number, pending replies) not yet read
         self._sync_count = 0
@@ -142,23 +145,18 @@ class WorkerPool:
         what = f"the rollout of step {handle.step}"
         return [scored_from_worker(self.transport.reply(i, p, what)) for i, p in enumerate(handle.pending)]
 
-    def distribute(self, rows: TrainBatch | None, sums: list[dict[str, float]], timings: list[dict[str, float]]
-                   ) -> tuple[TrainBatch, list[dict[str, float]], list[dict[str, float]]]:
-        return scatter_rows(rows, sums, timings, self.learner)
-
-    def sync_weights(self, learner: Any, version: int = 0) -> None:
-        """The learner's weights (`version`: the updates in them) to every worker: queued behind the
-        rollouts in flight (locked), or offered at once (in flight); at `rollout.max_staleness` 0
-        the call returns when every worker has them."""
-        state = learner.full_state_dict()  # collective; complete on rank 0
+    def sync_weights(self, weights: WeightSnapshot) -> None:
+        """The learner's weights (full, or LoRA-merged: workers apart take no adapter) to every worker:
+        queued behind the rollouts in flight (locked), or offered at once (in flight); at
+        `rollout.max_staleness` 0 the call returns when every worker has them."""
         if self.transport is None:
             return
         if self.recipe.rollout.staleness_mode == "inflight":
-            self.transport.offer_weights(state, version)
-            self._offered = version
+            self.transport.offer_weights(weights.state, weights.version)
+            self._offered = weights.version
             return
         self._sync_count += 1
-        self._syncs.append((self._sync_count, self.transport.load_weights(state)))
+        self._syncs.append((self._sync_count, self.transport.load_weights(weights.state, weights.version)))
         if self.recipe.rollout.max_staleness == 0:
             self._read_syncs(up_to=self._sync_count)
 

@@ -1,6 +1,6 @@
 """Where a vLLM engine runs: on the CPU (`vllm_on_cpu`, `check_head_dim`) or on which GPU (`gpu_kwargs`);
 in this process, or in a process of its own (`set_process_env`) with the launcher's variables hidden (and
-`engine_env` set), its sockets and temporary files in a folder the watchdog deletes."""
+`weight_transfer_env` set on both ends), its sockets and temporary files in a folder the watchdog deletes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from anytime.rollout.weight_files import remove_orphaned_weight_files
+from anytime.rollout.engines.weight_files import remove_orphaned_weight_files
 
 # Launcher variables that must not leak into vLLM's own engine process: it would take itself for a
 # rank of the learner's job.
@@ -64,11 +64,30 @@ def gpu_kwargs(device_index: int, *, gpu_memory_utilization: float, sleep: bool,
     return kwargs
 
 
-def engine_env(ipc_transfer: bool) -> dict[str, str]:
-    """Variables for an engine core started in a process of its own. With CUDA IPC weights it must decode
-    the pickled handles `IpcWeightLoader` sends (vLLM's own rule for them); the socket that carries them
-    joins only this process and its engine core."""
+def weight_transfer_env(ipc_transfer: bool) -> dict[str, str]:
+    """Variables both ends of an engine core in a process of its own need when it takes weights through vLLM's
+    weight transfer (CUDA IPC, or its CPU twin), set in this process before the engine core starts (which
+    inherits them) and kept while it runs. The engine core must decode the pickled handles `IpcWeightLoader`
+    sends (vLLM's own rule for them); with the variable set it also sends every utility reply with its type
+    (vLLM's `MsgpackEncoder` on a `UtilityResult`: `[None]` from `collective_rpc`, a `bool` from `wake_up`),
+    which the client refuses to decode without it, and its output thread then dies while the caller waits
+    forever. The socket that carries them joins only this process and its engine core."""
     return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ipc_transfer else {}
+
+
+@contextlib.contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """Keep this process's torch thread count across the block: an engine started in this process runs
+    vLLM's `Worker.load_model`, whose `set_torch_threads_for_runtime` sets it to 1 (unless OMP_NUM_THREADS
+    is set), and the learner beside it would then run its CPU work on one thread (`trainer.num_threads`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def set_process_env(own_process: bool, cpu_threads_bind: str | None) -> None:

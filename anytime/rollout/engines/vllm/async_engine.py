@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from anytime.rollout.engine import Completion, EngineError
-from anytime.rollout.streaming import Request
-from anytime.rollout.vllm.engine import VLLMEngine
+from anytime.rollout.engines.engine import Completion, EngineError
+from anytime.rollout.engines.streaming import Request
+from anytime.rollout.engines.vllm.engine import VLLMEngine
 
 _POLL_S = 0.005   # how often the calling thread looks for in-flight weights while the engine runs
 

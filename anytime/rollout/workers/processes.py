@@ -1,6 +1,6 @@
 """Rollout workers in local processes of their own (`rollout.placement: processes`): one node, no
 Ray. `rollout.workers` spawned processes, each with its own engine, verifier and share of the cores;
-`anytime.rollout.pool.WorkerPool` drives them from learner rank 0, and this transport carries its
+`anytime.rollout.workers.pool.WorkerPool` drives them from learner rank 0, and this transport carries its
 messages: each call and its reply over a pipe (a worker answers its calls in order), weights as
 one safetensors file in RAM (/dev/shm) that every worker loads and the learner deletes once all
 have it, in-flight offers on a second pipe, read by a thread of the worker while its engine
@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anytime.rollout.placement import RolloutWorkerError, gpus_after_learners, pin_cpus
-from anytime.rollout.pool import WorkerEndpoint, WorkerPool
+from anytime.rollout.workers.devices import gpus_after_learners, pin_cpus
+from anytime.rollout.workers.placement import RolloutWorkerError
+from anytime.rollout.workers.pool import WorkerEndpoint, WorkerPool
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from anytime.config import Recipe
+    from anytime.config.placement_plan import PlacementPlan
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600
@@ -42,8 +44,8 @@ def _load(path: str) -> list[tuple[str, torch.Tensor]]:
 class FileWeightsEndpoint(WorkerEndpoint):
     """The endpoint with weights arriving as files (paths cross the pipe, not tensors)."""
 
-    def update_weights(self, path: str) -> None:   # type: ignore[override]
-        super().update_weights(_load(path))
+    def update_weights(self, path: str, version: int) -> None:   # type: ignore[override]
+        super().update_weights(_load(path), version)
 
 
 def _take_offers(endpoint: WorkerEndpoint, offers: Connection) -> None:
@@ -60,8 +62,8 @@ def _take_offers(endpoint: WorkerEndpoint, offers: Connection) -> None:
             offers.send(f"{type(exc).__name__}: {exc}")
 
 
-def serve(index: int, count: int, recipe: Recipe, model_path: str, gpu: int | None, calls: Connection,
-          offers: Connection) -> None:
+def serve(index: int, count: int, recipe: Recipe, plan: PlacementPlan, model_path: str, gpu: int | None,
+          calls: Connection, offers: Connection) -> None:
     """A worker process's main: build the endpoint, then answer calls in order until told to close
     (or until the learner's end of the pipe closes)."""
     if gpu is not None:
@@ -69,7 +71,7 @@ def serve(index: int, count: int, recipe: Recipe, model_path: str, gpu: int | No
     elif recipe.rollout.pin_cpus:
         pin_cpus(index, count)
     try:
-        endpoint = FileWeightsEndpoint(recipe, model_path)
+        endpoint = FileWeightsEndpoint(recipe, plan, model_path)
     except Exception as exc:
         calls.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -110,8 +112,8 @@ class _Worker:
 class ProcessTransport:
     """`rollout.workers` local worker processes, and their pipes."""
 
-    def __init__(self, recipe: Recipe, model_path: str) -> None:
-        self.recipe = recipe
+    def __init__(self, recipe: Recipe, plan: PlacementPlan, model_path: str) -> None:
+        self.recipe, self.plan = recipe, plan
         self.workers: list[_Worker] = []
         self._tickets = 0
         self._files: list[tuple[str, list[int]]] = []   # weight files and, per worker, the ticket that reads it
@@ -126,7 +128,7 @@ class ProcessTransport:
         import multiprocessing as mp
 
         from anytime.core.watchdog import watch
-        from anytime.rollout.weight_files import weight_file_globs
+        from anytime.rollout.engines.weight_files import weight_file_globs
 
         count = recipe.rollout.workers
         gpus = self._gpus(count)
@@ -135,7 +137,8 @@ class ProcessTransport:
             calls, child_calls = context.Pipe()
             offers, child_offers = context.Pipe()
             process = context.Process(target=serve, name=f"anytime-rollout-{i}",
-                                      args=(i, count, recipe, model_path, gpus[i], child_calls, child_offers))
+                                      args=(i, count, recipe, self.plan, model_path, gpus[i], child_calls,
+                                            child_offers))
             process.start()
             child_calls.close()
             child_offers.close()
@@ -151,10 +154,11 @@ class ProcessTransport:
             raise
 
     def _gpus(self, count: int) -> list[int | None]:
-        """On CUDA, worker i takes the i-th GPU after the learner processes' (pipeline stages included)."""
-        if not torch.cuda.is_available():
+        """With GPUs in the plan, worker i takes the i-th GPU after the learner processes' (pipeline stages
+        included)."""
+        if not self.plan.gpus_per_worker:
             return [None] * count
-        return list(gpus_after_learners(self.recipe.learner.processes, count)[:count])
+        return list(gpus_after_learners(self.plan.learner_processes, count)[:count])
 
     def _error(self, i: int, what: str, why: str) -> RolloutWorkerError:
         w = self.workers[i]
@@ -194,11 +198,11 @@ class ProcessTransport:
         self._delete_loaded_files()
         return value
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> list[int]:
-        from anytime.rollout.weight_files import write_weights
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> list[int]:
+        from anytime.rollout.engines.weight_files import write_weights
 
         path = write_weights(list(state.items()))
-        tickets = [self.call(i, "update_weights", path) for i in range(self.size)]
+        tickets = [self.call(i, "update_weights", path, version) for i in range(self.size)]
         self._files.append((path, tickets))
         return tickets
 
@@ -213,7 +217,7 @@ class ProcessTransport:
         self._files = keep
 
     def offer_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        from anytime.rollout.weight_files import write_weights
+        from anytime.rollout.engines.weight_files import write_weights
 
         self._check_offers(block=True)   # the previous version reached every worker: its file can go
         path = write_weights(list(state.items()))

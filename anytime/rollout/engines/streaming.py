@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from anytime.rollout.engine import AnytimeGeneration, Completion, PlanFn, RolloutEngine, SamplingConfig, planned
+from anytime.rollout.engines.engine import AnytimeGeneration, Completion, PlanFn, RolloutEngine, SamplingConfig, planned
 
 
 @dataclass(frozen=True)

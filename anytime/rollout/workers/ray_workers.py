@@ -1,5 +1,5 @@
 """Rollout workers as Ray actors (`rollout.placement: ray`): `rollout.workers` actors in one placement
-group, each a process of its own with its own engine, verifier and device. `anytime.rollout.pool.
+group, each a process of its own with its own engine, verifier and device. `anytime.rollout.workers.pool.
 WorkerPool` drives them from learner rank 0; this transport carries its calls as actor methods.
 Runs on a local Ray (started here, on this machine's resources) or on a cluster (`ray start` on
 every node, then `ray job submit -- anytime train ...`).
@@ -26,18 +26,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from anytime.rollout.placement import (
-    RolloutWorkerError,
-    from_numpy,
-    gpus_after_learners,
-    pin_cpus,
-    to_numpy,
-    visible_ids,
-)
-from anytime.rollout.pool import WorkerEndpoint, WorkerPool
+from anytime.rollout.workers.devices import gpus_after_learners, pin_cpus, visible_ids
+from anytime.rollout.workers.placement import RolloutWorkerError
+from anytime.rollout.workers.wire import from_numpy, to_numpy
+from anytime.rollout.workers.pool import WorkerEndpoint, WorkerPool
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
+    from anytime.config.placement_plan import PlacementPlan
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +49,20 @@ class RolloutActor(WorkerEndpoint):
     def pin(self, index: int, count: int) -> list[int]:
         return pin_cpus(index, count)
 
-    def update_weights(self, arrays: dict[str, tuple[np.ndarray, str]]) -> None:   # type: ignore[override]
-        super().update_weights(from_numpy(arrays).items())
+    def update_weights(self, arrays: dict[str, tuple[np.ndarray, str]], version: int) -> None:  # type: ignore[override]
+        super().update_weights(from_numpy(arrays).items(), version)
 
     def offer_arrays(self, version: int, arrays: dict[str, tuple[np.ndarray, str]]) -> None:
         """In-flight weights (called in the `weights` concurrency group, beside a rollout in progress):
         converted here, taken by the engine at its next decoding step."""
         self.offer_weights(version, from_numpy(arrays).items())
 
-    def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self.worker.engine.init_weight_group(host, port, rank, world_size)
+    def init_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.worker.engine.init_weight_group(host, port, rank, world_size, timeout_s)
 
-    def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...], str]], version: int) -> None:
         self.worker.engine.receive_weights(layout)
+        self.worker.engine.took_version(version)
 
     def exit(self) -> None:
         """End this actor's process the way Python exits, so that its exit handlers run (multiprocessing
@@ -75,13 +72,13 @@ class RolloutActor(WorkerEndpoint):
         ray.actor.exit_actor()
 
 
-def local_ray_env(recipe: Recipe, gpus_per_worker: float) -> dict[str, str]:
+def local_ray_env(recipe: Recipe, plan: PlacementPlan) -> dict[str, str]:
     """The environment a local Ray cluster starts in: on CUDA, only the GPUs after the learner processes'
     are visible to it, so its actors never land on a learner's GPU (Ray gives its own GPUs from 0)."""
     if not torch.cuda.is_available():
         return {}
-    learners = int(os.environ.get("LOCAL_WORLD_SIZE", recipe.learner.processes))
-    free = gpus_after_learners(learners, recipe.rollout.workers, gpus_per_worker)
+    learners = int(os.environ.get("LOCAL_WORLD_SIZE", plan.learner_processes))
+    free = gpus_after_learners(learners, recipe.rollout.workers, plan.gpus_per_worker)
     return {"CUDA_VISIBLE_DEVICES": visible_ids(free)}
 
 
@@ -124,8 +121,8 @@ class _Call:
 class RayTransport:
     """`rollout.workers` Ray actors in one placement group."""
 
-    def __init__(self, recipe: Recipe, model_path: str) -> None:
-        self.recipe = recipe
+    def __init__(self, recipe: Recipe, plan: PlacementPlan, model_path: str) -> None:
+        self.recipe, self.plan = recipe, plan
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self.nodes: list[str] = []
@@ -133,8 +130,8 @@ class RayTransport:
         self._started_ray = False
         self._catch_up: list[tuple[int, _Call]] = []   # weights sent to a restarted actor, not yet confirmed
         self._offers: list[tuple[int, Any]] = []       # (index, ref) of in-flight offers not yet seen through
-        self._weights: Any = None   # the latest object-store weights, kept while restarts may need them
-        self._holds: list[Any] = []   # the weights each actor holds (None = those it started with)
+        self._weights: Any = None   # (object-store ref, version) of the latest weights, while restarts may need them
+        self._holds: list[Any] = []   # the (ref, version) each actor holds (None = those it started with)
         self._restarts: list[int] = []
         self._spawn_args: tuple[Any, ...] = ()
         self._pins: dict[int, tuple[int, int]] = {}   # actor -> (its share, shares on its node) of the cores
@@ -145,13 +142,11 @@ class RayTransport:
         return len(self.actors)
 
     def _start(self, recipe: Recipe, model_path: str) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group
-        except ImportError:
-            raise ValueError("rollout.placement: ray needs Ray: pip install -e '.[ray]'") from None
-        r = recipe.rollout
-        gpus = r.ray_gpus_per_worker if r.ray_gpus_per_worker is not None else float(torch.cuda.is_available())
+        self.plan.require_machine()   # Ray installed, CUDA for NCCL (GPUs: local_ray_env)
+        import ray
+        from ray.util.placement_group import placement_group
+
+        r, gpus = recipe.rollout, self.plan.gpus_per_worker
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             from anytime.core.watchdog import children, watch
@@ -160,21 +155,17 @@ class RayTransport:
             if address:
                 log.info("joining the Ray cluster at %s: its GPUs must leave out those of the learner processes "
                          "(start Ray on their node with CUDA_VISIBLE_DEVICES naming the others)", address)
-            with environment(local_ray_env(recipe, gpus) if not address else {}):
+            with environment(local_ray_env(recipe, self.plan) if not address else {}):
                 ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
             self._started_ray = not address
             if self._started_ray:  # a local cluster: it must not outlive this process
                 watch(children() - before)
         bundle = {"CPU": r.ray_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        sync = r.weight_sync if r.weight_sync != "auto" else ("nccl" if gpus and r.engine == "vllm" else "object_store")
-        if sync == "nccl" and r.worker_restarts:
-            raise ValueError("`rollout.worker_restarts` needs `rollout.weight_sync: object_store`: a restarted actor "
-                             "cannot join the NCCL weight group")
         self._pg = placement_group([bundle] * r.workers, strategy="PACK")
         ray.get(self._pg.ready(), timeout=600)
         # in-flight weights arrive on a thread of their own while the default one generates
         actor_class = ray.remote(concurrency_groups={"weights": 1})(RolloutActor)
-        self._spawn_args = (actor_class, recipe, model_path, gpus)
+        self._spawn_args = (actor_class, recipe, self.plan, model_path, gpus)
         self.actors = [self._spawn(i) for i in range(r.workers)]
         self._holds, self._restarts = [None] * r.workers, [0] * r.workers
         where = self._get([a.where.remote() for a in self.actors], "start-up")
@@ -185,29 +176,30 @@ class RayTransport:
                 mine = [i for i, (n, _) in enumerate(where) if n == node]
                 self._pins.update({i: (k, len(mine)) for k, i in enumerate(mine)})
             self._get([a.pin.remote(*self._pins[i]) for i, a in enumerate(self.actors)], "start-up")
-        if sync == "nccl":
+        if self.plan.weight_sync == "nccl":
             self._start_nccl()
 
     def _spawn(self, i: int) -> Any:
         """Actor i, in bundle i of the placement group, with the weights at `model_path`."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls, recipe, model_path, gpus = self._spawn_args
+        cls, recipe, plan, model_path, gpus = self._spawn_args
         return cls.options(num_cpus=recipe.rollout.ray_cpus_per_worker, num_gpus=gpus, max_restarts=0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)
-                           ).remote(recipe, model_path)
+                           ).remote(recipe, plan, model_path)
 
     def _start_nccl(self) -> None:
         """A NCCL group of learner rank 0 (rank 0) and the actors' engines (ranks 1..N) for weights."""
-        from anytime.rollout.vllm import NcclWeightSender
+        from anytime.rollout.engines.vllm import NcclWeightSender
 
         host = weight_group_host()
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         world = 1 + len(self.actors)
-        refs = [a.init_weight_group.remote(host, port, 1 + i, world) for i, a in enumerate(self.actors)]
-        self._sender = NcclWeightSender(host, port, world)
+        timeout_s = 60 * self.recipe.trainer.dist_timeout_minutes   # a sync waits for the rollouts queued before it
+        refs = [a.init_weight_group.remote(host, port, 1 + i, world, timeout_s) for i, a in enumerate(self.actors)]
+        self._sender = NcclWeightSender(host, port, world, timeout_s)
         self._get(refs, "the NCCL weight-group set-up")
 
     def _error(self, i: int, exc: Exception, what: str) -> RolloutWorkerError:
@@ -247,7 +239,7 @@ class RayTransport:
                     "(restart %d of %d)", i, self.pids[i], what, self._restarts[i], self.recipe.rollout.worker_restarts)
         self._replace(i)
         if self._weights is not None:   # the latest weights, for whatever it runs next (a regeneration sets its own)
-            self._catch_up.append((i, self.call(i, "update_weights", self._weights)))
+            self._catch_up.append((i, self.call(i, "update_weights", *self._weights)))
             self._holds[i] = self._weights
 
     def _replace(self, i: int) -> None:
@@ -274,12 +266,12 @@ class RayTransport:
         if lost.weights is None and self._holds[i] is not None:   # back to the weights it started with
             self._replace(i)
         elif lost.weights is not None and self._holds[i] is not lost.weights:
-            self.actors[i].update_weights.remote(lost.weights)
+            self.actors[i].update_weights.remote(*lost.weights)
         actor = self.actors[i]
         result = self._get_one(i, actor.rollout.remote(*lost.args), f"the regenerated {what.removeprefix('the ')}")
         self._holds[i] = lost.weights
         if self._weights is not lost.weights:
-            self._catch_up.append((i, self.call(i, "update_weights", self._weights)))
+            self._catch_up.append((i, self.call(i, "update_weights", *self._weights)))
             self._holds[i] = self._weights
         return result
 
@@ -304,20 +296,20 @@ class RayTransport:
                 return None
             raise self._error(i, exc, what) from None
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> list[_Call]:
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> list[_Call]:
         """By NCCL from learner rank 0 (a collective with the actors: it waits for their rollouts in
         flight), or one `ray.put` that every actor reads from the object store."""
         import ray
 
         if self._sender is not None:
             layout = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
-            pending = [self.call(i, "receive_weights", layout) for i in range(self.size)]
+            pending = [self.call(i, "receive_weights", layout, version) for i in range(self.size)]
             self._sender.send(state)
             return pending
-        ref = ray.put(to_numpy(state))
-        pending = [self.call(i, "update_weights", ref) for i in range(self.size)]
+        held = (ray.put(to_numpy(state)), version)
+        pending = [self.call(i, "update_weights", *held) for i in range(self.size)]
         if self.recipe.rollout.worker_restarts:   # kept so that a restart can regenerate with it
-            self._weights, self._holds = ref, [ref] * self.size
+            self._weights, self._holds = held, [held] * self.size
         return pending
 
     def offer_weights(self, state: dict[str, torch.Tensor], version: int) -> None:

@@ -1,11 +1,11 @@
-"""vLLM's side of the answer protocol (`anytime.rollout.protocol`) when a model is served: a logits
+"""vLLM's side of the answer protocol (`anytime.serving.protocol`) when a model is served: a logits
 processor that vLLM's engine loads by import path (`--logits-processors`, see `anytime serve`).
 
 For requests that set `thinking_token_budget` it forces what vLLM's own thinking budget does not:
 the close text's transition phrase just before vLLM forces the end marker (where the budget runs out),
 the header after the end marker (forced, or the model's own), and an EOS after `summary_max_tokens`
 summary tokens. With vLLM's forced end, a served answer is then the one `anytime eval` scored (see
-`anytime.rollout.protocol`). It also refuses, with an HTTP 400, a budget that leaves no room for the
+`anytime.serving.protocol`). It also refuses, with an HTTP 400, a budget that leaves no room for the
 answer within `max_tokens`.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from anytime.rollout.protocol import AnswerProtocol, encode
+from anytime.config.answer_format import encode
+from anytime.serving.protocol import AnswerProtocol
 
 
 class _Tracked:
@@ -49,11 +50,12 @@ class AnswerProtocolProcessor(LogitsProcessor):
         def ids(text: str) -> tuple[int, ...]:
             return tuple(encode(tokenizer, text))
 
+        answer_format = protocol.format
         self.start_ids = ids(protocol.think_start)
-        self.end_ids = ids(protocol.think_end)
-        self.phrase_ids = ids(protocol.close_phrase)
-        self.header_ids = ids(protocol.header)
-        self.summary_max_tokens = protocol.summary_max_tokens
+        self.end_ids = ids(answer_format.think_end)
+        self.phrase_ids = ids(answer_format.close_phrase)
+        self.header_ids = ids(answer_format.header)
+        self.summary_max_tokens = answer_format.summary_max_tokens
         self.eos_id = tokenizer.eos_token_id
         self.requests: dict[int, _Tracked] = {}
 

@@ -1,11 +1,11 @@
 """Serve a model at any thinking budget on vLLM's OpenAI-compatible server, as `anytime eval` scored it.
 
 `anytime serve PATH [VLLM FLAGS...]` runs `vllm serve PATH` with the reasoning settings of the folder's
-answer protocol (`anytime.rollout.protocol`): vLLM's `--reasoning-config` and our logits processor
-(`anytime.rollout.vllm.answer_processor`), and the `deepseek_r1` reasoning parser for `<think>` models (the
+answer protocol (`anytime.serving.protocol`): vLLM's `--reasoning-config` and our logits processor
+(`anytime.serving.answer_processor`), and the `deepseek_r1` reasoning parser for `<think>` models (the
 thinking comes back as `reasoning`, the answer as `content`). Other flags go to vLLM unchanged. PATH is
 an exported folder (`anytime export`) or a run folder, whose newest checkpoint the CLI exports first
-into RUN/export (`anytime.learner.export.serving_folder`). A request sets `thinking_token_budget` (the model card's table gives it per budget).
+into RUN/export (`anytime.serving.export.serving_folder`). A request sets `thinking_token_budget` (the model card's table gives it per budget).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from anytime.rollout.protocol import PROTOCOL_FILE, THINK_START, AnswerProtocol
-from anytime.rollout.vllm.process import RPC_PATH
+from anytime.serving.protocol import PROTOCOL_FILE, THINK_START, AnswerProtocol
+from anytime.rollout.engines.vllm.process import RPC_PATH
 
 log = logging.getLogger(__name__)
 
-PROCESSOR = "anytime.rollout.vllm.answer_processor:AnswerProtocolProcessor"
+PROCESSOR = "anytime.serving.answer_processor:AnswerProtocolProcessor"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,19 +52,20 @@ def folder_protocol(folder: Path) -> AnswerProtocol:
         protocol = AnswerProtocol().measured(AutoTokenizer.from_pretrained(folder))
         log.warning("%s holds no %s: serving with anytime's defaults (close text %r, header %r, answers of at "
                     "most %d tokens); export the model with `anytime export` to serve it with its own protocol",
-                    folder, PROTOCOL_FILE, protocol.close_text, protocol.header, protocol.summary_max_tokens)
-    if protocol.eos_ends_thinking:
+                    folder, PROTOCOL_FILE, protocol.format.close_text, protocol.format.header,
+                    protocol.format.summary_max_tokens)
+    if protocol.format.eos_ends_thinking:
         log.warning("this model was trained with summary.eos_ends_thinking: its thinking stops on EOS, which ends a "
                     "served response before any answer, where `anytime eval` forces the answer after it; served "
                     "accuracy falls far below the eval's (eval/serving/README.md). Train the model to close its "
-                    "thinking with %r to serve it at a budget", protocol.think_end)
+                    "thinking with %r to serve it at a budget", protocol.format.think_end)
     return protocol
 
 
 def serve_command(folder: Path, protocol: AnswerProtocol, vllm_args: list[str]) -> list[str]:
     """`vllm serve` with the protocol's reasoning settings; flags in `vllm_args` win over ours."""
     ours = ["--reasoning-config", json.dumps(protocol.reasoning_config()), "--logits-processors", PROCESSOR]
-    if (protocol.think_start, protocol.think_end) == (THINK_START, "</think>"):
+    if (protocol.think_start, protocol.format.think_end) == (THINK_START, "</think>"):
         ours += ["--reasoning-parser", "deepseek_r1"]
     given = {a.split("=")[0] for a in vllm_args if a.startswith("--")}
     kept: list[str] = []

@@ -15,45 +15,39 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from anytime.batch.anytime_rollout import Draw, ScoredRollout, rollout_sums
+from anytime.batch.step_sums import StepSums
 from anytime.core.stats import add_sums
-from anytime.rollout.dynamic_sampling import draw_mixed_groups
-from anytime.rollout.inflight import WeightMailbox, version_sums
+from anytime.rollout.workers.dynamic_sampling import draw_mixed_groups
+from anytime.rollout.workers.inflight import WeightMailbox, version_sums
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import engine_max_len, training_settings
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
+    from anytime.config.placement_plan import PlacementPlan
+    from anytime.batch.weight_snapshot import WeightSnapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def adapter_of(learner: Any) -> Any:
-    """A LoRA learner's adapter factors (`anytime.learner.lora.AdapterUpdate`), None for any other
-    learner. Not collective: LoRA learners hold their whole model on every rank."""
-    update = getattr(learner, "adapter_update", None)
-    return update() if update is not None else None
-
-
 class RolloutWorker:
     """Everything between prompts and their scored rollout for one engine."""
 
-    def __init__(self, recipe: Recipe, model_path: str, tokenizer: Any) -> None:
+    def __init__(self, recipe: Recipe, plan: PlacementPlan, model_path: str, tokenizer: Any) -> None:
         from anytime.reward.verifier import RewardScorer
-        from anytime.rollout.engine import create_engine
+        from anytime.rollout.engines.engine import create_engine
 
         r = recipe
-        self.recipe, self.tokenizer = recipe, tokenizer
+        self.recipe, self.plan, self.tokenizer = recipe, plan, tokenizer
         kwargs: dict[str, Any] = {"logprobs": r.rollout.logprobs}
         if r.rollout.engine == "vllm":
-            kwargs["frontend"] = r.rollout.vllm_frontend
+            kwargs.update(frontend=r.rollout.vllm_frontend, own_process=plan.engine_core_apart)
         if r.rollout.engine == "vllm" and torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = r.rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = r.rollout.enable_sleep
         inflight = r.rollout.staleness_mode == "inflight"
-        if (r.rollout.engine == "vllm" and r.learner.lora.rank > 0 and r.rollout.placement != "ray" and not inflight
-                and r.learner.lora.vllm_serves_adapter(torch.cuda.is_available())):
-            # vLLM serves the adapter itself (Ray actors and in-flight swaps take merged full weights)
+        if r.rollout.engine == "vllm" and plan.lora_weights == "adapter":   # vLLM serves the adapter itself
             kwargs["max_lora_rank"] = r.learner.lora.rank
         if r.rollout.engine == "vllm" and inflight:
             # a swap lands between two engine steps: none may leave a batch running (GPU; off on the CPU)
@@ -61,8 +55,9 @@ class RolloutWorker:
         self.engine = create_engine(r.rollout.engine, model_path, max_model_len=engine_max_len(r, tokenizer),
                                     max_prompt_len=r.data.max_prompt_len, dtype=r.model.dtype, seed=r.trainer.seed,
                                     **kwargs)
-        self.scorer = RewardScorer(header=r.summary.header.strip(), think_end=r.summary.think_end)
-        self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, training_settings(r))
+        settings = training_settings(r)
+        self.scorer = RewardScorer(header=settings.format.verifier_header, think_end=settings.format.think_end)
+        self.runner = AnytimeRolloutRunner(self.engine, tokenizer, self.scorer, settings)
         self.mailbox: WeightMailbox | None = None
         if inflight:
             if not self.engine.supports_inflight_updates:
@@ -98,18 +93,16 @@ class RolloutWorker:
             rollout = self.runner.run(prompts, golds, seed=seed, prompt_index=index)
             draws = [Draw(rollout, list(range(len(index))), index)]
         timings: dict[str, float] = {}
-        sums: dict[str, float] = {}
+        sums = StepSums()
         for draw in draws:
             add_sums(timings, draw.rollout.timings)
-            add_sums(sums, rollout_sums(draw.rollout))
-            if self.mailbox is not None:
-                add_sums(sums, version_sums(draw.rollout, step))
+            sums = sums + rollout_sums(draw.rollout) + version_sums(draw.rollout, step)
         if self.mailbox is not None:
             timings["weight_swap"] = self.engine.swap_seconds - swap_s
-            sums["weight_swaps"] = float(self.engine.swaps - swaps)
+            sums.weight_swaps = float(self.engine.swaps - swaps)
         if r.rollout.dynamic_sampling:
-            sums.update(found.counts())
-        sums["rollout_seconds"] = time.perf_counter() - start
+            sums = sums + found.counts()
+        sums.rollout_seconds = time.perf_counter() - start
         self._idle_since = time.perf_counter()
         return ScoredRollout(draws, num_prompts, sums, {**timings, **waited})
 
@@ -118,8 +111,9 @@ class RolloutWorker:
         the rollout layer (the trainer's held-out eval), so the rollout never imports it."""
         return fn(self)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.engine.update_weights(named_tensors)
+        self.engine.took_version(version)
 
     def offer_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """In-flight weights: the engine takes them at its next decoding step (safe from another thread)."""
@@ -132,19 +126,19 @@ class RolloutWorker:
         if self.mailbox is not None:
             self.mailbox.wait_for(version, self.engine.version, timeout_s=3600)
 
-    def sync_adapter(self, learner: Any, update: Sequence[tuple[str, torch.Tensor, torch.Tensor, float]]) -> int:
-        """A LoRA learner's weights into this worker's engine: only the adapter's factors (`update`)
-        when the engine merges them itself, else the full merged weights. Returns the bytes handed over."""
-        if self.engine.accepts_adapters:
-            self.engine.update_adapter(update)
-            return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b, _ in update)
-        if not self._merged_logged:
-            log.info("the %s engine takes full weights: the LoRA adapter is merged into the base for every weight "
-                     "sync (sync bytes are the full model's)", self.recipe.rollout.engine)
-            self._merged_logged = True
-        state = learner.full_state_dict()
-        self.engine.update_weights(state.items())
-        return sum(t.numel() * t.element_size() for t in state.values())
+    def load(self, weights: WeightSnapshot) -> int:
+        """The learner's weights into this worker's engine, as the plan shaped them: a LoRA adapter's factors
+        (the engine merges them itself) or full weights. Returns the bytes handed over."""
+        if weights.adapter is not None:
+            self.engine.update_adapter(weights.adapter)
+        else:
+            if self.recipe.learner.lora.rank and not self._merged_logged:
+                log.info("the %s engine takes full weights: the LoRA adapter is merged into the base for every "
+                         "weight sync (sync bytes are the full model's)", self.recipe.rollout.engine)
+                self._merged_logged = True
+            self.engine.update_weights(weights.state.items())
+        self.engine.took_version(weights.version)
+        return weights.nbytes
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory for the learner update (vLLM sleep mode on a GPU)."""

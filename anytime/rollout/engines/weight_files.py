@@ -1,5 +1,6 @@
-"""Weights for a rollout engine in another process: a safetensors file in RAM (/dev/shm) that the
-engine loads and the sender deletes, and the clean-up of files left by a sender that was killed."""
+"""Weights for a rollout engine in another process: files in RAM (/dev/shm) that the engine reads and the
+sender deletes (a safetensors file, or the shared buffer of the CPU IPC weight transfer), named with the
+sender's pid, and the clean-up of files left by a sender that was killed."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def write_weights(updates: list[tuple[str, torch.Tensor]]) -> str:
     return path
 
 
+def weight_file_path(name: str) -> str:
+    """A path for a weight file of this process named `name` (not created), in RAM when /dev/shm exists:
+    `weight_file_globs` and `remove_orphaned_weight_files` find it by the pid in its name."""
+    where = _SHM if os.path.isdir(_SHM) else tempfile.gettempdir()
+    return os.path.join(where, f"{_WEIGHTS_PREFIX}{os.getpid()}-{name}")
+
+
 def _weight_folders() -> tuple[str, str]:
     """Where `write_weights` may put its files: RAM, else the temp dir (mkstemp's default)."""
     return _SHM, tempfile.gettempdir()
@@ -49,7 +57,7 @@ def _weight_folders() -> tuple[str, str]:
 
 def weight_file_globs(pid: int) -> list[str]:
     """The files `write_weights` in process `pid` may leave, as globs (for its watchdog)."""
-    return [os.path.join(folder, f"{_WEIGHTS_PREFIX}{pid}-*.safetensors") for folder in _weight_folders()]
+    return [os.path.join(folder, f"{_WEIGHTS_PREFIX}{pid}-*") for folder in _weight_folders()]
 
 
 def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
@@ -57,7 +65,7 @@ def remove_orphaned_weight_files(folders: Iterable[str] | None = None) -> None:
     import psutil  # a vLLM dependency
 
     for folder in set(folders or _weight_folders()):
-        for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*.safetensors")):
+        for path in glob.glob(os.path.join(folder, f"{_WEIGHTS_PREFIX}*")):
             pid = os.path.basename(path)[len(_WEIGHTS_PREFIX):].split("-", 1)[0]
             if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 
 `anytime export CKPT --out DIR [--force]` writes safetensors weights, config, tokenizer (with its
 chat template) and a generation config that `AutoModelForCausalLM.from_pretrained` and vLLM load, and
-what serving needs (`anytime.learner.model_card`): the answer protocol, the eval's sampling and a model
+what serving needs (`anytime.serving.model_card`): the answer protocol, the eval's sampling and a model
 card.
 CKPT may be a learner checkpoint (`step_N/`, whose `model/` holds the full weights), a DeepSpeed
 ZeRO checkpoint folder (shards are consolidated with DeepSpeed's own zero_to_fp32, stage by stage
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from anytime import defaults
-from anytime.learner.model_card import write_serving_files
+from anytime.serving.model_card import write_serving_files
 
 log = logging.getLogger(__name__)
 

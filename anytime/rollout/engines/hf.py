@@ -26,7 +26,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from anytime.defaults import DTYPES, torch_dtype
-from anytime.rollout.engine import (Branch, Completion, RolloutEngine, SamplingConfig, check_lengths,
+from anytime.rollout.engines.engine import (Branch, Completion, RolloutEngine, SamplingConfig, check_lengths,
                                     check_logprobs_mode)
 from anytime.rollout.seeding import sample_seeds, uniforms
 

@@ -59,8 +59,8 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from anytime.learner.export import serving_folder
-    from anytime.rollout.vllm import serve
+    from anytime.serving.export import serving_folder
+    from anytime.serving import serve
 
     args.path = str(serving_folder(Path(args.path)))   # a run folder: its newest checkpoint, exported
     return serve.run(args)
@@ -106,7 +106,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_tiny_model)
 
-    from anytime.rollout.vllm import serve
+    from anytime.serving import serve
 
     p = sub.add_parser("serve", help=serve.__doc__.strip().splitlines()[0])
     serve.add_arguments(p)
@@ -119,7 +119,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
         schedule_command.add_arguments(p)
 
-    for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.learner.export"),
+    for name, module in (("eval", "anytime.evaluation.evaluate"), ("export", "anytime.serving.export"),
                          ("doctor", "anytime.doctor")):
         try:
             mod = __import__(module, fromlist=["add_arguments"])

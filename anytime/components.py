@@ -10,15 +10,15 @@ resolved on first use (`anytime.registry`), so this module imports nothing heavy
 from anytime.registry import Registry
 
 ENGINES = Registry("rollout.engine", {
-    "hf": "anytime.rollout.hf:HFEngine",
-    "vllm": "anytime.rollout.vllm:vllm_engine",
+    "hf": "anytime.rollout.engines.hf:HFEngine",
+    "vllm": "anytime.rollout.engines.vllm:vllm_engine",
 }, doc="the generator of thinking traces and summaries")
 
 PLACEMENTS = Registry("rollout.placement", {
-    "inprocess": "anytime.rollout.local:InProcessRollouts",
-    "colocated": "anytime.rollout.local:ColocatedRollouts",
-    "ray": "anytime.rollout.ray_workers:RayRollouts",
-    "processes": "anytime.rollout.processes:ProcessRollouts",
+    "inprocess": "anytime.rollout.workers.local:InProcessRollouts",
+    "colocated": "anytime.rollout.workers.local:ColocatedRollouts",
+    "ray": "anytime.rollout.workers.ray_workers:RayRollouts",
+    "processes": "anytime.rollout.workers.processes:ProcessRollouts",
 }, doc="where rollout workers run (`auto`: inprocess with one learner process, else colocated)")
 
 LEARNERS = Registry("learner.backend", {

@@ -1,6 +1,7 @@
 """Advantage estimators: BRPO (paper eq. 6-9) for thinking tokens, the per-prefix summary
-baseline (§2.3), and the usual trace-level baselines (GRPO, Dr.GRPO, RLOO); registered by name in
-`anytime.algo` (`THINKING_ESTIMATORS`, `SUMMARY_ESTIMATORS`, `VARIANCE_REDUCTIONS`).
+baseline (§2.3), and the usual trace-level baselines (GRPO, Dr.GRPO, RLOO). Each family is a
+registry of the functions themselves, right after them (`VARIANCE_REDUCTIONS`, `SUMMARY_ESTIMATORS`,
+`THINKING_ESTIMATORS`); its names are declared in `anytime.algo` too, for the recipe schema.
 
 Shapes: G traces per prompt, S budgets, A summaries per budget. Thinking estimators map
 `scores [B, G, S]` (mean summary score of trace g at budget j) and the prior `probs [S]` to the
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from anytime.algo import SUMMARY_ESTIMATORS, THINKING_ESTIMATORS, VARIANCE_REDUCTIONS
+from anytime.algo import SUMMARY_ESTIMATOR_NAMES, THINKING_ESTIMATOR_NAMES, VARIANCE_REDUCTION_NAMES
 
 
 def _as_tensor(x: torch.Tensor | Sequence, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,7 +37,7 @@ def brpo_advantages(scores: torch.Tensor, probs: torch.Tensor | Sequence[float],
     remaining prior mass; V2 is the group mean return (self included); the baseline moves from V2
     to V1 as the segment index grows: V = (s·V1 + (S−s)·V2) / S. No std normalisation (Dr.GRPO).
     """
-    VARIANCE_REDUCTIONS.target(variant)  # an unknown variant fails before any work
+    baseline = VARIANCE_REDUCTIONS.get(variant)  # an unknown variant fails before any work
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"decay (λ) must be in (0, 1], got {decay}")
     scores = torch.as_tensor(scores)
@@ -49,7 +50,7 @@ def brpo_advantages(scores: torch.Tensor, probs: torch.Tensor | Sequence[float],
     if probs.shape != (S,):
         raise ValueError(f"probs must have one entry per budget ({S}), got shape {tuple(probs.shape)}")
     R = returns_to_go(scores, probs)
-    return R - VARIANCE_REDUCTIONS.get(variant)(R, scores, probs, decay)
+    return R - baseline(R, scores, probs, decay)
 
 
 def no_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, decay: float) -> torch.Tensor | float:
@@ -79,6 +80,14 @@ def brpo_baseline(R: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, de
     s = torch.arange(S, device=scores.device).to(scores.dtype)
     V1, V2 = progress_baseline(R, scores, probs, decay), group_baseline(R, scores, probs, decay)
     return (s * V1 + (S - s) * V2) / S
+
+
+VARIANCE_REDUCTIONS = VARIANCE_REDUCTION_NAMES.implemented_by({
+    "brpo": brpo_baseline,
+    "v1only": progress_baseline,
+    "v2only": group_baseline,
+    "none": no_baseline,
+})
 
 
 def summary_advantages(scores: torch.Tensor, prefix_group: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,6 +128,12 @@ def summary_advantages_last_only(scores: torch.Tensor, prefix_group: torch.Tenso
     return adv
 
 
+SUMMARY_ESTIMATORS = SUMMARY_ESTIMATOR_NAMES.implemented_by({
+    "brpo": summary_advantages,
+    "grpo": summary_advantages_last_only,
+})
+
+
 def grpo_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """(r − group mean) / group std for `[G]` or `[B, G]`; `scale_by_std=False` is Dr.GRPO."""
     rewards = torch.as_tensor(rewards)
@@ -142,40 +157,53 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - others
 
 
-# --- the estimators registered by name in `anytime.algo` -------------------------------------
+# --- the thinking estimators, by name -----------------------------------------------------------
 
-ThinkingEstimator = Callable[..., torch.Tensor]
-
-
-def _trace_level(fn: Callable[[torch.Tensor], torch.Tensor]) -> ThinkingEstimator:
-    """Lift a trace-level estimator to segments: the trace reward is the full prior-weighted return
-    R[:, 0] (with the `base` prior: the final-budget score), shared by every segment."""
-
-    def estimator(scores: torch.Tensor, probs: torch.Tensor, **_: object) -> torch.Tensor:
-        scores = torch.as_tensor(scores, dtype=torch.float64) if not torch.is_tensor(scores) else scores
-        total = returns_to_go(scores, _as_tensor(probs, scores))[..., 0]
-        return fn(total)[..., None].expand_as(scores).clone()
-
-    return estimator
+def _per_segment(trace_estimator: Callable[[torch.Tensor], torch.Tensor], scores: torch.Tensor,
+                 probs: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """A trace-level estimator lifted to segments: the trace reward is the full prior-weighted return
+    R[..., 0] (with the `base` prior: the final-budget score), shared by every segment."""
+    scores = torch.as_tensor(scores, dtype=torch.float64) if not torch.is_tensor(scores) else scores
+    total = returns_to_go(scores, _as_tensor(probs, scores))[..., 0]
+    return trace_estimator(total)[..., None].expand_as(scores).clone()
 
 
 def brpo_thinking(scores: torch.Tensor, probs: torch.Tensor, decay: float = 0.5, variant: str = "brpo",
                   **_: object) -> torch.Tensor:
+    """BRPO: budget-relative advantages per segment (`brpo_advantages`)."""
     return brpo_advantages(scores, probs, decay=decay, variant=variant)
 
 
-grpo_thinking = _trace_level(lambda r: grpo_advantages(r, scale_by_std=True))
-dr_grpo_thinking = _trace_level(lambda r: grpo_advantages(r, scale_by_std=False))
-rloo_thinking = _trace_level(rloo_advantages)
+def grpo_thinking(scores: torch.Tensor, probs: torch.Tensor, **_: object) -> torch.Tensor:
+    """GRPO on the trace's prior-weighted return: centred and scaled by the group's std."""
+    return _per_segment(lambda r: grpo_advantages(r, scale_by_std=True), scores, probs)
+
+
+def dr_grpo_thinking(scores: torch.Tensor, probs: torch.Tensor, **_: object) -> torch.Tensor:
+    """Dr.GRPO on the trace's prior-weighted return: centred, not scaled."""
+    return _per_segment(lambda r: grpo_advantages(r, scale_by_std=False), scores, probs)
+
+
+def rloo_thinking(scores: torch.Tensor, probs: torch.Tensor, **_: object) -> torch.Tensor:
+    """RLOO on the trace's prior-weighted return: leave-one-out baseline."""
+    return _per_segment(rloo_advantages, scores, probs)
+
+
+THINKING_ESTIMATORS = THINKING_ESTIMATOR_NAMES.implemented_by({
+    "brpo": brpo_thinking,
+    "grpo": grpo_thinking,
+    "dr_grpo": dr_grpo_thinking,
+    "rloo": rloo_thinking,
+})
 
 
 def thinking_advantages(name: str, scores: torch.Tensor, probs: Sequence[float] | torch.Tensor,
                         **kwargs: object) -> torch.Tensor:
-    """The thinking advantages of the estimator registered as `name` (`anytime.algo.THINKING_ESTIMATORS`)."""
+    """The thinking advantages of the estimator registered as `name` in `THINKING_ESTIMATORS`."""
     return THINKING_ESTIMATORS.get(name)(scores, probs, **kwargs)
 
 
 def summary_advantages_by_name(name: str, scores: torch.Tensor,
                                prefix_group: torch.Tensor | None = None) -> torch.Tensor:
-    """The summary advantages of the estimator registered as `name` (`anytime.algo.SUMMARY_ESTIMATORS`)."""
+    """The summary advantages of the estimator registered as `name` in `SUMMARY_ESTIMATORS`."""
     return SUMMARY_ESTIMATORS.get(name)(scores, prefix_group)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from anytime.algo import BUDGET_PRIORS
+from anytime.registry import FunctionRegistry
 
 
 def even_grid(max_thinking: int, num_budgets: int) -> list[int]:
@@ -62,7 +62,7 @@ def validate_grid(grid: Sequence[int], max_thinking: int | None = None, name: st
 
 
 def prior_probs(prior: str, grid: Sequence[int], probs: Sequence[float] | None = None) -> list[float]:
-    """The prior P over the grid, by its name in `anytime.algo.BUDGET_PRIORS`: `base` (all mass on
+    """The prior P over the grid, by its name in `BUDGET_PRIORS`: `base` (all mass on
     the last budget), `uniform`, `linear` (P_j ∝ b_j, {.1,.2,.3,.4} for four even budgets) or
     `explicit` (given `probs`)."""
     return BUDGET_PRIORS.get(prior)(list(grid), probs)
@@ -86,6 +86,16 @@ def explicit_prior(grid: list[int], probs: Sequence[float] | None = None) -> lis
         raise ValueError(f"an explicit prior needs {len(grid)} probabilities (one per budget), got {probs}")
     validate_probs(probs)
     return [float(p) for p in probs]
+
+
+# The priors by name. Declared here, beside them, and read from here by the recipe schema: this
+# module imports nothing heavy, so the names need no declaration of their own in `anytime.algo`.
+BUDGET_PRIORS = FunctionRegistry("budget.prior", {
+    "base": base_prior,
+    "uniform": uniform_prior,
+    "linear": linear_prior,
+    "explicit": explicit_prior,
+}, doc="the prior P over the budget grid")
 
 
 def validate_probs(probs: Sequence[float]) -> None:

@@ -1,6 +1,6 @@
 """Token-level PPO-clip policy loss with clip-higher, loss aggregation modes and optional KL.
 
-Aggregations (registered in `anytime.algo.LOSS_AGGREGATIONS`, keyed by the recipe's `algorithm.loss_agg`):
+Aggregations (the functions in `LOSS_AGGREGATIONS` below, keyed by the recipe's `algorithm.loss_agg`):
 - `token-mean`: Σ loss·mask / Σ mask (DAPO);
 - `seq-mean-token-mean`: mean over sequences of each sequence's token mean (original GRPO); a
   sequence is a row, or with `segments` (tree-packed rows) a (row, segment id) pair;
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from anytime.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from anytime.algo import KL_ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES
 from anytime.batch.train_batch import TrainBatch
 
 
@@ -48,6 +48,13 @@ def constant_norm(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None,
     return (x * mask).sum() / (rows * length)
 
 
+LOSS_AGGREGATIONS = LOSS_AGGREGATION_NAMES.implemented_by({
+    "token-mean": token_mean,
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "constant": constant_norm,
+})
+
+
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str, *, num_tokens: float | None = None,
               num_rows: float | None = None, max_len: int | None = None,
               segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,8 +70,11 @@ def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
+KL_ESTIMATORS = KL_ESTIMATOR_NAMES.implemented_by({"k1": kl_k1, "k3": kl_k3})
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(π‖π_ref) estimate of the kind registered in `anytime.algo.KL_ESTIMATORS`
+    """Per-token KL(π‖π_ref) estimate of the kind registered in `KL_ESTIMATORS`
     (k1 = log π − log π_ref; k3 = e^{−k1} + k1 − 1)."""
     return KL_ESTIMATORS.get(kind)(logprobs - ref_logprobs)
 

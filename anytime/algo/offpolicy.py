@@ -6,7 +6,7 @@ exp(old − rollout), computed once per step without gradient (it depends on no 
 while the clip stays on π / π_prox. Folded into `TrainBatch.advantages` before the PPO epochs, it
 reaches every learner (torch, DeepSpeed, pipelined) with no change to their loss code.
 
-Modes (`anytime.algo.OFFPOLICY_CORRECTIONS`, recipe `algorithm.offpolicy_correction`): `none`
+Modes (`OFFPOLICY_CORRECTIONS`, recipe `algorithm.offpolicy_correction`): `none`
 (w = 1; the batch is left untouched), `tis` (w = min(w, cap)), `mis` (w = 0 above the cap: the
 token, or the whole sequence, gives no gradient; verl's mask mode). With cap `inf` a sequence weight
 past the float range is inf, and the update it reaches is skipped as non-finite.
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from anytime.algo import OFFPOLICY_CORRECTIONS
+from anytime.algo import OFFPOLICY_CORRECTION_NAMES
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import all_gather_object
 
@@ -59,6 +59,10 @@ def masked_weights(weights: torch.Tensor, cap: float) -> tuple[torch.Tensor, tor
     """MIS: w, or 0 when above the cap."""
     over = weights > cap
     return weights.masked_fill(over, 0.0), over
+
+
+OFFPOLICY_CORRECTIONS = OFFPOLICY_CORRECTION_NAMES.implemented_by(
+    {"none": no_correction, "tis": truncated_weights, "mis": masked_weights})
 
 
 # --- weights and statistics ----------------------------------------------------------------------

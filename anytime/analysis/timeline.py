@@ -4,7 +4,7 @@ training, from decode and learner throughputs and a sample of trace lengths (doc
 A discrete-event timeline over `steps` batches. Each rollout device runs one continuous-batching
 engine: a decode step of n active sequences takes `latency_s + n / peak_tokens_per_s` and advances
 each by a token; at most `max_seqs` are active, the rest wait. A trace's cuts × summaries_per_cut
-summaries are queued the moment it ends (the streamed schedule of anytime.rollout.vllm); free slots
+summaries are queued the moment it ends (the streamed schedule of anytime.rollout.engines.vllm); free slots
 go to the oldest batch first, its summaries before its unstarted traces. A batch is learned when
 every device has finished it: its trained tokens (prompt + thinking + summaries per trace) over
 learner devices × learner_tokens_per_s, then `weight_sync_s` of the learner's time to send the new

@@ -6,4 +6,6 @@
 - `train_batch.TrainBatch` / `MiniBatch`: target-aligned token rows with masks, advantages and
   log-probs, and the mini- and micro-batches the learner steps over;
 - `packing.build_train_batch`: the one function that turns the first into the second (a row per
-  summary, or tree-packed), called by the trainer's step."""
+  summary, or tree-packed), called by the trainer's step;
+- `weight_snapshot.WeightSnapshot`: the learner's weights on their way back to the engines (full, merged
+  or a LoRA adapter, as the placement plan asks), taken by the trainer."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from anytime.batch.step_sums import StepSums
 from anytime.reward.verifier import REASONS
 
 
@@ -95,38 +96,35 @@ class Draw:
 @dataclass
 class ScoredRollout:
     """What a rollout worker returns for its share of one step: its draws (traces, cuts, summaries and
-    scores), the step's prompt count, metric sums that add up over workers (`rollout_sums`), and its
-    stage timings. Advantages and training rows are the trainer's (`anytime.trainer.trainer`)."""
+    scores), the step's prompt count, metric sums that add up over workers (`StepSums`), and its
+    stage timings. Advantages and training rows are the trainer's (`anytime.trainer.experience`)."""
 
     draws: list[Draw]
     num_prompts: int
-    sums: dict[str, float]
+    sums: StepSums
     timings: dict[str, float]
 
     def to_state(self) -> dict[str, Any]:
         """Tensors and plain values only (a checkpoint loads it with `weights_only`)."""
         return {"draws": [{"rollout": d.rollout.to_state(), "kept": d.kept, "slots": d.slots} for d in self.draws],
-                "num_prompts": self.num_prompts, "sums": self.sums, "timings": self.timings}
+                "num_prompts": self.num_prompts, "sums": self.sums.to_dict(), "timings": self.timings}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ScoredRollout:
         draws = [Draw(AnytimeRollout.from_state(d["rollout"]), list(d["kept"]), list(d["slots"]))
                  for d in state["draws"]]
-        return cls(draws, int(state["num_prompts"]), dict(state["sums"]), dict(state["timings"]))
+        return cls(draws, int(state["num_prompts"]), StepSums.from_dict(state["sums"]), dict(state["timings"]))
 
 
-def rollout_sums(rollout: AnytimeRollout) -> dict[str, float]:
+def rollout_sums(rollout: AnytimeRollout) -> StepSums:
     """A rollout's metric sums and counts (accuracy per budget, thinking length, verifier reasons,
     tokens), so that the sums of several draws and workers add up exactly."""
     B, G, S, A = rollout.scores.shape
-    sums = {f"acc_sum/{j}": float(rollout.scores[:, :, j].sum()) for j in range(S)}
-    sums.update({
-        "summaries_per_budget": float(B * G * A), "traces": float(B * G),
-        "think_len_sum": float(rollout.think_len.sum()), "closed_sum": float(rollout.natural_end.sum()),
-        "tokens": float(rollout.think_len.sum() + rollout.summary_len.sum()),
-    })
-    sums.update({f"reason/{k}": float(v) for k, v in rollout.failure_reasons().items()})
-    return sums
+    return StepSums(traces=float(B * G), summaries_per_budget=float(B * G * A),
+                    acc=[float(rollout.scores[:, :, j].sum()) for j in range(S)],
+                    think_len=float(rollout.think_len.sum()), closed=float(rollout.natural_end.sum()),
+                    tokens=float(rollout.think_len.sum() + rollout.summary_len.sum()),
+                    reasons={k: float(v) for k, v in rollout.failure_reasons().items()})
 
 
 def eos_zeroed(eos_end: bool, length: int, budget: int) -> bool:

@@ -23,20 +23,12 @@ dropping changes no loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from anytime.batch.anytime_rollout import AnytimeRollout
 from anytime.batch.train_batch import TrainBatch
-
-
-def segment_index(length: int, budgets: Sequence[int]) -> torch.Tensor:
-    """Budget segment of each thinking token: token t (1-based) is in segment j = min{j: b_j ≥ t}
-    (tokens past the last budget stay in the last segment)."""
-    positions = torch.arange(1, length + 1)
-    return torch.searchsorted(torch.tensor(budgets), positions).clamp_max(len(budgets) - 1)
 
 
 @dataclass
@@ -111,14 +103,18 @@ def _rows_of_trace(prompt_index: int, prompt: torch.Tensor, thinking: torch.Tens
 
 
 def build_train_batch(rollout: AnytimeRollout, thinking_adv: torch.Tensor, summary_adv: torch.Tensor, *,
-                      thinking_weight: float = 1.0, summary_weight: float = 1.0, summary_max_tokens: int,
-                      drop_zero_rows: bool = True, pad_id: int = 0, pack: bool = False) -> TrainBatch:
-    """`thinking_adv [B, G, S]` per budget segment, `summary_adv [B, G, S, A]` per summary; `pack`
-    gives one tree-packed row per trace instead of a row per thinking trace and per summary."""
+                      max_len: int, drop_zero_rows: bool = True, pad_id: int = 0, pack: bool = False) -> TrainBatch:
+    """`thinking_adv [B, G, L]` per thinking token, `summary_adv [B, G, S, A]` per summary (every token of
+    a summary takes it), both as the experience stage made them (`anytime.trainer.experience`: the
+    estimators, their spread over tokens and the loss weights); `max_len` is the `constant` loss
+    normaliser's width. `pack` gives one tree-packed row per trace instead of a row per thinking trace
+    and per summary."""
     r = rollout
     B, G, S, A = r.scores.shape
-    if tuple(thinking_adv.shape) != (B, G, S):
-        raise ValueError(f"thinking advantages must be [B, G, S] = {(B, G, S)}, got {tuple(thinking_adv.shape)}")
+    longest = int(r.think_len.max()) if r.think_len.numel() else 0
+    if tuple(thinking_adv.shape[:2]) != (B, G) or thinking_adv.dim() != 3 or thinking_adv.shape[-1] < longest:
+        raise ValueError(f"thinking advantages must be [B, G, L] with B, G = {(B, G)} and L >= {longest} "
+                         f"(one per thinking token), got {tuple(thinking_adv.shape)}")
     if tuple(summary_adv.shape) != (B, G, S, A):
         raise ValueError(f"summary advantages must be [B, G, S, A] = {(B, G, S, A)}, got {tuple(summary_adv.shape)}")
     rows: list[_Row] = []
@@ -128,12 +124,12 @@ def build_train_batch(rollout: AnytimeRollout, thinking_adv: torch.Tensor, summa
         prompt = r.prompt_ids[b, : r.prompt_len[b]]
         for g in range(G):
             n = int(r.think_len[b, g])
-            adv = thinking_weight * thinking_adv[b, g].double()[segment_index(n, r.budgets)]
+            adv = thinking_adv[b, g, :n].double()
             summaries = []
             for j in range(S):
                 inserted = torch.tensor(r.inserted_ids(b, g, j), dtype=torch.long)
                 for a in range(A):
-                    m, value = int(r.summary_len[b, g, j, a]), summary_weight * float(summary_adv[b, g, j, a])
+                    m, value = int(r.summary_len[b, g, j, a]), float(summary_adv[b, g, j, a])
                     if drop_zero_rows and (m == 0 or value == 0):
                         continue
                     summaries.append(_Summary(int(r.cut[b, g, j]), inserted, r.summary_ids[b, g, j, a, :m],
@@ -144,8 +140,6 @@ def build_train_batch(rollout: AnytimeRollout, thinking_adv: torch.Tensor, summa
                                    summaries, pack)
             tokens[b] += n + int(r.summary_len[b, g].sum())
             sequences[b] += int(n > 0) + int((r.summary_len[b, g] > 0).sum())
-    inserted_max = len(r.close_ids) + len(r.header_ids) if bool(r.forced_close.any()) else len(r.header_ids)
-    max_len = r.budgets[-1] + S * A * (inserted_max + summary_max_tokens)
     return _tensors(rows, tokens, sequences, G, max_len, pad_id)
 
 

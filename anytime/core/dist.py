@@ -45,6 +45,10 @@ def init_from_env(timeout_minutes: float | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+        # No device_id: binding one makes torch (2.13) create every group's NCCL communicator
+        # eagerly and then run all point-to-point messages of a group on that one communicator and
+        # stream, where the pipeline's receives posted ahead block the sends behind them. Left
+        # lazy, each (group, rank pair) gets its own; the executor creates them in one order.
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout)
 
 

@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
     total = len(args.model) * sum(len(r) for r in data.values())
     samples_tmp = out / (SAMPLES_FILE + ".tmp")
     try:
-        with RewardScorer(num_workers=args.verifier_workers, header=opts.header.strip(),
-                          think_end=opts.think_end) as scorer, \
+        answer_format = opts.answer_format()
+        with RewardScorer(num_workers=args.verifier_workers, header=answer_format.verifier_header,
+                          think_end=answer_format.think_end) as scorer, \
                 tqdm(total=total, desc="eval", unit="problem") as bar, samples_tmp.open("w", encoding="utf-8") as f:
             for model in args.model:
                 max_len = opts.max_prompt_len + budgets[-1] + rooms[model]
@@ -157,14 +158,14 @@ def _evaluate_model(model: str, folder: str, max_len: int, opts: EvalOptions, da
     as they come (a paper-size eval holds ~10^5 of them)."""
     from transformers import AutoTokenizer
 
-    from anytime.rollout.engine import create_engine
+    from anytime.rollout.engines.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     sample_seed = opts.sampling_seed
     per_bench = {}
     with create_engine(opts.engine, folder, max_model_len=max_len, max_prompt_len=opts.max_prompt_len,
-                       dtype=opts.dtype, seed=sample_seed) as engine:
+                       dtype=opts.dtype, seed=sample_seed, **opts.engine_kwargs()) as engine:
         runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(sample_seed))
         for name, rows in data.items():
             start = time.perf_counter()
@@ -199,7 +200,9 @@ def rescore_dir(folder: str | Path, *, num_workers: int | None = None) -> dict[s
                          f"has {sorted(map(str, expected))}; rescoring needs every sample of every benchmark")
     settings = results.get("settings", {})
     fallback = EvalOptions()
-    with RewardScorer(num_workers=num_workers, header=settings.get("header", fallback.header).strip(),
+    # the header and marker the run was verified with, not a whole format: a run's close text need not
+    # pass today's rules for its summaries to be re-verified (the scorer keys on the stripped header)
+    with RewardScorer(num_workers=num_workers, header=settings.get("header", fallback.header),
                       think_end=settings.get("think_end", fallback.think_end)) as scorer:
         rescored, changed = rescore_records(records, scorer)
     for (model, bench), group in group_records(rescored).items():

@@ -32,7 +32,7 @@ def evaluate_on_worker(worker: Any) -> tuple[dict[str, float], list[dict[str, An
     """Held-out accuracy and per-budget report (`budget_metrics`) at every eval budget on the
     recipe's benchmarks (at `eval.temperature`), and per-sample records (`anytime.evaluation.records`,
     tagged with the benchmark), at most `eval.max_sample_records` shared fairly between the
-    benchmarks. `worker` is a `anytime.rollout.worker.RolloutWorker`."""
+    benchmarks. `worker` is a `anytime.rollout.workers.worker.RolloutWorker`."""
     r = worker.recipe
     ev = r.eval
     opts = EvalOptions(**recipe_options(r))

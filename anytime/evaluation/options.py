@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from anytime.config import Recipe, load_recipe
-from anytime.core.schema import field_at, field_choices, field_default
+from anytime.config.answer_format import AnswerFormat, eval_budgets
+from anytime.config.schema import field_at, field_choices, field_default
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class EvalOptions:
     limit: int | None = recipe_key("eval.limit")
     dtype: str = recipe_key("model.dtype")
     engine: str = recipe_key("rollout.engine")
+    gpu_memory_utilization: float = recipe_key("rollout.gpu_memory_utilization")
     eos_ends_thinking: bool = recipe_key("summary.eos_ends_thinking")
     # a recipe's procedural task (`data.train: reasoning_gym:<task>`): its knobs and training split,
     # so that `eval.benchmarks: [reasoning_gym:<task>]` is the held-out split the run's own eval scores;
@@ -110,16 +112,26 @@ class EvalOptions:
     def sampling_seed(self) -> int:
         return self.seed if self.sample_seed is None else self.sample_seed
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The eval engine's own arguments: a vLLM engine on a GPU takes the memory share asked for and never
+        sleeps (no learner shares its GPU), so it starts without sleep mode and its allocator."""
+        if self.engine != "vllm":
+            return {}
+        return {"gpu_memory_utilization": self.gpu_memory_utilization, "enable_sleep_mode": False}
+
+    def answer_format(self) -> AnswerFormat:
+        """The answer format of these options (their summary.* keys), validated by `AnswerFormat`."""
+        return AnswerFormat(think_end=self.think_end, close_text=self.close_text, header=self.header,
+                            summary_max_tokens=self.summary_max_tokens, eos_ends_thinking=self.eos_ends_thinking)
+
     def settings(self, seed: int) -> Any:
         """The rollout settings (`AnytimeSettings`) of this eval."""
         from anytime.rollout.settings import AnytimeSettings
 
         summary_temperature = self.temperature if self.summary_temperature is None else self.summary_temperature
-        return AnytimeSettings(tuple(self.budgets), self.samples, self.summaries, self.summary_max_tokens,
-                               close_text=self.close_text, header=self.header, think_end=self.think_end,
+        return AnytimeSettings(tuple(self.budgets), self.samples, self.summaries, self.answer_format(),
                                temperature=self.temperature, top_p=self.top_p,
-                               summary_temperature=summary_temperature, seed=seed,
-                               eos_ends_thinking=self.eos_ends_thinking)
+                               summary_temperature=summary_temperature, seed=seed)
 
 
 def option_default(f: dataclasses.Field) -> Any:
@@ -139,7 +151,7 @@ def recipe_options(recipe: Recipe) -> dict[str, Any]:
             for part in f.metadata["key"].split("."):
                 value = getattr(value, part)
             values[f.name] = _frozen(value)
-    values["budgets"] = tuple(recipe.eval.budgets or recipe.budget.grid())
+    values["budgets"] = tuple(eval_budgets(recipe))
     return values
 
 
@@ -208,9 +220,7 @@ def resolve_options(args: argparse.Namespace) -> EvalOptions:
             value = tuple(parse_grid(value))
         values[f.name] = value
     opts = EvalOptions(**values)
-    if opts.think_end not in opts.close_text:
-        # the verifier reads from the one `think_end` on: a close without it scores every cut 0
-        raise ValueError(f"--close-text {opts.close_text!r} must contain --think-end {opts.think_end!r}")
+    opts.answer_format()   # a format serving cannot honour is refused here, as at recipe load
     return opts
 
 
@@ -258,13 +268,11 @@ def model_max_len(model: str) -> int | None:
 
 
 def summary_room(model: str, opts: EvalOptions) -> int:
-    """Tokens a summary request adds after the thinking under `model`'s tokenizer: the inserted
-    close and header, and the summary itself."""
+    """Tokens a summary request adds after the thinking under `model`'s tokenizer
+    (`AnswerFormat.room_after_cut`)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config_folder(model))
-    inserted = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (opts.close_text, opts.header))
-    return inserted + opts.summary_max_tokens
+    return opts.answer_format().room_after_cut(AutoTokenizer.from_pretrained(config_folder(model)))
 
 
 @contextmanager
@@ -274,7 +282,7 @@ def model_folder(model: str, scratch: str | Path) -> Iterator[str]:
     if not is_checkpoint(model):
         yield model
         return
-    from anytime.learner.export import export_checkpoint
+    from anytime.serving.export import export_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=scratch))
     try:

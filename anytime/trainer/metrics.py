@@ -11,50 +11,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from anytime.algo.budget import anytime_score
+from anytime.batch.step_sums import StepSums
 from anytime.config import LoggingConfig, Recipe
-from anytime.core.stats import add_sums
-from anytime.rollout.dynamic_sampling import dynamic_metrics
 
 log = logging.getLogger(__name__)
 
 
-def rollout_metrics(sums: dict[str, float], budgets: Sequence[int], probs: Sequence[float]) -> dict[str, float]:
-    """The step's rollout metrics from the (added-up) sums of its workers' rollouts and rows."""
-    acc = [sums[f"acc_sum/{j}"] / sums["summaries_per_budget"] for j in range(len(budgets))]
-    metrics = {f"train/acc@{b}": a for b, a in zip(budgets, acc)}
-    metrics["train/anytime_score"] = anytime_score(acc, probs)
-    metrics["train/think_len"] = sums["think_len_sum"] / sums["traces"]
-    metrics["train/think_closed_frac"] = sums["closed_sum"] / sums["traces"]
-    metrics["adv/thinking_mean"] = sums["t_adv_sum"] / sums["t_adv_n"]
-    metrics["adv/thinking_abs"] = sums["t_adv_abs_sum"] / sums["t_adv_n"]
-    metrics["adv/summary_abs"] = sums["s_adv_abs_sum"] / sums["s_adv_n"]
-    reasons = {k.split("/", 1)[1]: v for k, v in sums.items() if k.startswith("reason/") and v}
-    for reason, count in reasons.items():
-        metrics[f"verifier/{reason}"] = count / sum(reasons.values())
-    metrics["train/rows"] = int(sums["rows"])
-    if "dynamic/drawn" in sums:
-        metrics.update(dynamic_metrics(sums))
-    if "token_lag_n" in sums:   # in-flight weights: each token's own staleness
-        metrics["rollout/token_version_lag"] = sums["token_lag_sum"] / max(sums["token_lag_n"], 1.0)
-        metrics["rollout/token_version_lag_max"] = sums["max/token_lag"]
-        metrics["rollout/mixed_version_traces"] = sums["mixed_version_traces"] / sums["traces"]
-        metrics["rollout/weight_swaps"] = sums["weight_swaps"]
-    return metrics
-
-
-def step_metrics(per_worker: Sequence[dict[str, float]], recipe: Recipe) -> dict[str, float]:
-    """The step's metrics from every worker's sums, plus each worker's tokens/s and how much longer
-    the slowest worker took than the mean (1.0 = balanced). Wall-clock figures go under ``perf/``
-    (like ``time/``) so that comparisons of runs can leave them out."""
-    total: dict[str, float] = {}
-    for sums in per_worker:
-        add_sums(total, sums)
-    metrics = rollout_metrics(total, recipe.budget.grid(), recipe.budget.prior_probs())
-    seconds = [s["rollout_seconds"] for s in per_worker]
+def step_metrics(per_worker: Sequence[StepSums], recipe: Recipe) -> dict[str, float]:
+    """The step's metrics from every worker's sums (`StepSums.metrics` names them; the anytime score
+    weights the accuracies by the recipe's prior), plus each worker's tokens/s and how much longer the
+    slowest worker took than the mean (1.0 = balanced). Wall-clock figures go under ``perf/`` (like
+    ``time/``) so that comparisons of runs can leave them out."""
+    total = StepSums.total(per_worker)
+    metrics = total.metrics(recipe.budget.grid())
+    metrics["train/anytime_score"] = anytime_score(total.accuracies(), recipe.budget.prior_probs())
+    seconds = [s.rollout_seconds for s in per_worker]
     for i, s in enumerate(per_worker):
-        metrics[f"perf/rollout_tokens_per_s/worker{i}"] = s["tokens"] / max(s["rollout_seconds"], 1e-9)
-    metrics["rollout/tokens"] = total["tokens"]
-    metrics["perf/rollout_tokens_per_s"] = total["tokens"] / max(max(seconds), 1e-9)
+        metrics[f"perf/rollout_tokens_per_s/worker{i}"] = s.tokens / max(s.rollout_seconds, 1e-9)
+    metrics["rollout/tokens"] = total.tokens
+    metrics["perf/rollout_tokens_per_s"] = total.tokens / max(max(seconds), 1e-9)
     metrics["perf/rollout_slowest_over_mean"] = max(seconds) / max(sum(seconds) / len(seconds), 1e-9)
     return metrics
 

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,6 +68,21 @@ def sft_pairs(recipe: Recipe, tokenizer) -> list[tuple[list[int], list[int]]]:
                      "task (reasoning_gym:<task> with worked solutions); set sft.steps: 0 for other datasets")
 
 
+@dataclass(frozen=True)
+class SftPlacement:
+    device: torch.device   # the learner's (`cuda:LOCAL_RANK` on a GPU machine): the other ranks wait for it
+    dtype: torch.dtype     # of the weights and the compute: float32, also for bf16 recipes (no bf16 anywhere,
+                           # so no device is slowed by it); float64 when asked (exactness tests)
+
+
+def sft_placement(recipe: Recipe) -> SftPlacement:
+    """Where and in what precision the warm start trains: on the learner's device, in float32 (float64
+    when the recipe's weights are)."""
+    from anytime.learner.factory import learner_device
+
+    return SftPlacement(learner_device(), torch.float64 if recipe.model.dtype == "float64" else torch.float32)
+
+
 def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     """Fine-tune `model_path` on the recipe's SFT data and save a Hugging Face folder to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,9 +90,10 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     cfg = recipe.sft
     torch.manual_seed(recipe.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # float64 when the recipe asks for it (exactness tests); otherwise float32, also for bf16 recipes
-    dtype = torch.float64 if recipe.model.dtype == "float64" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    place = sft_placement(recipe)
+    device = place.device
+    log.info("supervised warm start on %s in %s", device, str(place.dtype).removeprefix("torch."))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=place.dtype).to(device)
     pairs = sft_pairs(recipe, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
@@ -96,7 +113,7 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
             ids[i, : len(seq)] = torch.tensor(seq)
             labels[i, len(p): len(seq)] = torch.tensor(c)
             attn[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss = model(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -115,6 +132,9 @@ def run_sft(recipe: Recipe, model_path: str, out_dir: str | Path) -> Path:
     (tmp / "sft_loss.json").write_text(json.dumps({"steps": cfg.steps, "seconds": seconds, "cpu_seconds": cpu_seconds,
                                                    "loss": losses}))
     (tmp / "sft_done.txt").write_text(f"steps={cfg.steps} final_loss={last_loss:.4f}\n")
+    if device.type == "cuda":   # the learner and an engine on this GPU come next
+        del model, optimizer
+        torch.cuda.empty_cache()
     if out.exists():
         import shutil
 

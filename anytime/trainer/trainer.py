@@ -8,7 +8,7 @@ PPO update (`update`) → weight sync to the workers (`sync`); then metrics, eva
 
 A prompt becomes a gradient step through these containers (docs/architecture.md lists them too):
 1. `PromptRow` (`anytime.data.prompts`): problem and gold answer, encoded to a prompt's token ids;
-2. `Completion` (`anytime.rollout.engine`): one sampled continuation (thinking trace or summary) as
+2. `Completion` (`anytime.rollout.engines.engine`): one sampled continuation (thinking trace or summary) as
    the engine returns it, requested as `Branch`es of a trace (`AnytimeGeneration` when streamed);
 3. `Verdict` (`anytime.reward.verifier`): the verifier's score of one summary;
 4. `AnytimeRollout` (`anytime.batch.anytime_rollout`): the traces, cuts, summaries and scores as
@@ -22,7 +22,7 @@ A prompt becomes a gradient step through these containers (docs/architecture.md 
 7. `StepResult` (`anytime.learner.base`): the optimizer step's norm, skip and learning rate.
 
 `RolloutWorker`s (engine + verifier) run where `rollout.placement` puts them
-(`anytime.rollout.placement`: on learner rank 0, on every learner rank, in processes of their own or
+(`anytime.rollout.workers.placement`: on learner rank 0, on every learner rank, in processes of their own or
 as Ray actors); the `Learner` (torch, DeepSpeed or pipeline) and the one PPO loop
 (`anytime.learner.ppo`) train. The held-out eval runs on the first rollout worker's engine
 (`anytime.evaluation.in_training`).
@@ -44,11 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
-from anytime.algo.offpolicy import apply_offpolicy_correction
-from anytime.batch.anytime_rollout import AnytimeRollout, ScoredRollout
-from anytime.batch.packing import build_train_batch
-from anytime.batch.train_batch import TrainBatch
+from anytime.batch.anytime_rollout import ScoredRollout
 from anytime.config import Recipe
 from anytime.core.dist import broadcast_object, rank_world
 from anytime.data.prompts import encode_prompts
@@ -58,9 +54,12 @@ from anytime.evaluation.records import write_samples
 from anytime.learner import checkpoint as ckpt
 from anytime.learner.factory import build_learner
 from anytime.learner.ppo import logprob_mismatch, ppo_update
-from anytime.rollout.placement import create_rollouts
-from anytime.core.stats import add_sums
+from anytime.config.placement_plan import placement_plan
+from anytime.batch.weight_snapshot import WeightSnapshot
+from anytime.rollout.workers.placement import create_rollouts
+from anytime.trainer.experience import experience, importance_correction
 from anytime.trainer.metrics import MetricsLogger, StageTimer, slowest, step_metrics
+from anytime.trainer.rows import RowExchange
 
 log = logging.getLogger(__name__)
 
@@ -90,54 +89,18 @@ def step_candidate_rows(step: int, prompts_per_step: int, draws: int, num_rows: 
     return [[(first + r * prompts_per_step + i) % num_rows for r in range(draws)] for i in range(prompts_per_step)]
 
 
-def advantages_of(rollout: AnytimeRollout, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rollout's two advantages, per group, each by the recipe's estimator (`anytime.algo.advantages`):
-    the thinking advantages [B, G, S], one per budget segment of each trace (`algorithm.estimator`:
-    BRPO's budget-relative baseline, or GRPO's, RLOO's, ...), and the summary advantages [B, G, S, A]
-    among the summaries of one cut (`summary.estimator`)."""
-    a = recipe.algorithm
-    thinking = thinking_advantages(a.estimator, rollout.budget_scores.double(), recipe.budget.prior_probs(),
-                                   decay=a.decay, variant=a.variance_reduction)
-    summary = summary_advantages_by_name(recipe.summary.estimator, rollout.scores.double(), rollout.prefix_group)
-    return thinking, summary
-
-
-def advantage_sums(thinking: torch.Tensor, summary: torch.Tensor) -> dict[str, float]:
-    return {"t_adv_sum": float(thinking.sum()), "t_adv_abs_sum": float(thinking.abs().sum()),
-            "t_adv_n": float(thinking.numel()), "s_adv_abs_sum": float(summary.abs().sum()),
-            "s_adv_n": float(summary.numel())}
-
-
-def rows_of(share: ScoredRollout, advantages: list[tuple[torch.Tensor, torch.Tensor]], recipe: Recipe,
-            pad_id: int) -> tuple[TrainBatch, dict[str, float]]:
-    """A worker's share of the step as training rows of its kept groups, under their positions in the
-    step (`anytime.batch.packing`), and its metric sums with its advantages' and rows'."""
-    r, batches, sums = recipe, [], dict(share.sums)
-    for draw, (thinking, summary) in zip(share.draws, advantages):
-        whole = draw.kept == list(range(len(draw.rollout.golds)))
-        chosen = draw.rollout if whole else draw.rollout.select_prompts(draw.kept)
-        batch = build_train_batch(chosen, thinking[draw.kept], summary[draw.kept],
-                                  thinking_weight=r.algorithm.thinking_loss_weight,
-                                  summary_weight=r.summary.loss_weight, summary_max_tokens=r.summary.max_tokens,
-                                  pad_id=pad_id, pack=r.learner.pack_summaries,
-                                  drop_zero_rows=r.algorithm.kl_coef == 0 and r.algorithm.entropy_coef == 0)
-        batches.append(batch.reindexed(draw.slots, share.num_prompts))
-        add_sums(sums, advantage_sums(thinking, summary))   # over every group drawn, kept or not
-    rows = joined(batches)
-    sums["rows"] = float(rows.sequences.sum())   # trained sequences (a thinking trace or a summary)
-    return rows, sums
-
-
-def joined(batches: list[TrainBatch]) -> TrainBatch | None:
-    """The rows of disjoint prompts of one step as one batch, ordered by prompt (None for none)."""
-    return None if not batches else batches[0] if len(batches) == 1 else TrainBatch.concat(batches)
-
-
 def use_deterministic_algorithms() -> None:
     """torch's deterministic algorithms; on CUDA, cuBLAS is deterministic only with a fixed workspace, and
     torch raises at the first matmul without one (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS is called)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def release_cached_device_memory() -> None:
+    """Return the blocks torch's CUDA allocator caches for this process to the device (a colocated engine
+    is about to wake into that memory); nothing to do on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class Trainer:
@@ -159,7 +122,11 @@ class Trainer:
         self.rows = load_train_rows(recipe)
         self.prompts = encode_prompts(self.tokenizer, self.rows, recipe.data.instruction, recipe.data.max_prompt_len)
         self.timer = StageTimer()
-        self.rollouts = create_rollouts(recipe, model_path, self.tokenizer, self.learner)
+        self.plan = placement_plan(recipe, world=self.world)
+        if self.rank == 0:
+            log.info("%s", self.plan.describe())
+        self.exchange = RowExchange(self.plan, self.learner)   # collective: groups made in one order on every rank
+        self.rollouts = create_rollouts(recipe, self.plan, model_path, self.tokenizer, self.learner)
         self._stop_signal: int | None = None
         self._in_flight: deque[InFlight] = deque()   # submitted rollouts, oldest first
         self._weights_version = 0                     # the step whose weights the workers hold
@@ -167,7 +134,7 @@ class Trainer:
     # --- rollouts, up to `rollout.max_staleness` steps ahead -----------------------------------
     def _submit(self, step: int) -> None:
         ro = self.recipe.rollout
-        if ro.dynamic_sampling:   # every slot travels with its candidates (anytime.rollout.dynamic_sampling)
+        if ro.dynamic_sampling:   # every slot travels with its candidates (anytime.rollout.workers.dynamic_sampling)
             slots = step_candidate_rows(step, ro.prompts_per_step, ro.dynamic_sampling_max_draws, len(self.rows))
             prompts: list[Any] = [[self.prompts[i] for i in c] for c in slots]
             golds: list[Any] = [[self.rows[i].answer for i in c] for c in slots]
@@ -187,7 +154,7 @@ class Trainer:
             item.result, item.handle = self.rollouts.collect(item.handle), None
         return item.result
 
-    def _rollout(self, step: int) -> tuple[list[ScoredRollout], dict[str, Any]]:
+    def _rollout(self, step: int) -> list[ScoredRollout]:
         """The step's scored rollouts this rank holds (see `Rollouts.collect`). Locked staleness k:
         the rollouts of steps up to step + k are submitted now, with the weights of this step, so
         batch t is generated with the weights of step max(0, t − k) whatever the placement; where
@@ -202,7 +169,7 @@ class Trainer:
             raise RuntimeError(f"the rollout in flight is step {item.step}'s, not step {step}'s")
         shares = self._collect(item)
         self.timer.add("learner_wait", time.perf_counter() - start)
-        return shares, {"rollout/version_lag": step - item.version} if r.rollout.max_staleness else {}
+        return shares
 
     def _settle_in_flight(self) -> list[dict[str, Any]]:
         """Every rollout in flight collected (they stay queued): what this rank holds, to checkpoint."""
@@ -230,24 +197,22 @@ class Trainer:
         r, t0 = self.recipe, time.perf_counter()
         self.timer = StageTimer()
         # rollout: thinking traces, summaries at every cut, verified scores (on the workers)
-        shares, metrics = self._rollout(step)
-        with self.timer.stage("adv"):      # thinking and summary advantages of every group drawn
-            advantages = [[advantages_of(draw.rollout, r) for draw in share.draws] for share in shares]
-        with self.timer.stage("pack"):     # the kept groups as training rows
-            packed = [rows_of(share, adv, r, self.pad_id) for share, adv in zip(shares, advantages)]
-        with self.timer.stage("scatter"):  # each learner rank gets its own rows, every rank the sums
-            batch, sums, timings = self.rollouts.distribute(joined([rows for rows, _ in packed]),
-                                                            [s for _, s in packed], [share.timings for share in shares])
-        metrics.update(step_metrics(sums, r))
-        for name, seconds in slowest(timings).items():   # the workers' stages (gen, summaries, reward)
+        shares = self._rollout(step)
+        # experience: advantages and their spread over tokens (adv), rows (pack), each rank its own (scatter)
+        exp = experience(shares, r, self.pad_id, self.exchange, self.timer)
+        metrics = step_metrics(exp.per_worker, r)
+        for name, seconds in slowest(exp.timings).items():   # the workers' stages (gen, summaries, reward)
             self.timer.add(name, seconds)
         if r.rollout.enable_sleep:
             self.rollouts.sleep()
         if r.learner.old_logprobs == "recompute":   # else the update's own (fully on-policy, checked at load)
-            with self.timer.stage("logprob"):
-                self._old_logprobs(batch, metrics)
+            with self.timer.stage("logprob"):       # the learner before the update: PPO's proximal policy
+                exp.batch.old_logprobs = self.learner.logprobs(exp.batch)
+            metrics["train/logprob_mismatch"] = logprob_mismatch(exp.batch)
+            with self.timer.stage("adv"):           # engine (behaviour) vs learner (proximal) policy
+                metrics.update(importance_correction(exp.batch, r))
         with self.timer.stage("update"):
-            stats = ppo_update(self.learner, batch, r.algorithm, r.learner)
+            stats = ppo_update(self.learner, exp.batch, r.algorithm, r.learner)
         metrics.update({f"update/{k}": v for k, v in stats.items()})
         with self.timer.stage("sync"):     # the new weights to the workers (or offered, in flight)
             self._sync_weights(step + 1)
@@ -255,21 +220,22 @@ class Trainer:
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
 
-    def _old_logprobs(self, batch: TrainBatch, metrics: dict[str, Any]) -> None:
-        """The learner's log-probs before the update (the PPO ratio's denominator), and the engine's
-        importance weights against them."""
-        batch.old_logprobs = self.learner.logprobs(batch)
-        metrics["train/logprob_mismatch"] = logprob_mismatch(batch)
-        # engine (behaviour) vs learner (proximal) policy: importance-weight the advantages
-        a = self.recipe.algorithm
-        offpolicy = apply_offpolicy_correction(batch, a.offpolicy_correction, a.is_level, a.is_cap)
-        metrics.update({f"offpolicy/{k}": v for k, v in offpolicy.items()})
-
     def _sync_weights(self, version: int) -> None:
+        """The learner's weights to the engines. They are gathered while the engines still sleep, and the
+        learner's cached device blocks are freed before the engines wake into that memory."""
+        weights = self.weight_snapshot(version)
         if self.recipe.rollout.enable_sleep:
+            release_cached_device_memory()
             self.rollouts.wake_up()
-        self.rollouts.sync_weights(self.learner, version)
+        self.rollouts.sync_weights(weights)
         self._weights_version = version
+
+    def weight_snapshot(self, version: int) -> WeightSnapshot:
+        """The learner's weights shaped as the placement plan asks: a LoRA adapter's factors for engines that
+        serve it, else the full (merged) weights, complete on every rank with an engine (collective)."""
+        if self.plan.lora_weights == "adapter":   # not collective: LoRA learners hold the model on every rank
+            return WeightSnapshot(version, adapter=self.learner.adapter_update())
+        return WeightSnapshot(version, state=self.learner.full_state_dict(all_ranks=self.plan.every_rank_gathers))
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out metrics; rank 0 writes the per-sample records to eval_samples/step_{step}.jsonl."""

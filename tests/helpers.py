@@ -139,10 +139,28 @@ def written_here_or_orphaned(paths: set[str]) -> set[str]:
             if m is None or int(m[1]) in ours or not psutil.pid_exists(int(m[1]))}
 
 
-def step_rows(shares: list, recipe: object, pad_id: int = 0) -> tuple[object, list[dict]]:
-    """What the trainer's step makes of the scored rollouts a placement collected: the training rows
-    (advantages, then packing, as `Trainer.train_step` does) and every worker's metric sums."""
-    from anytime.trainer.trainer import advantages_of, joined, rows_of
+def placed(recipe: object, cls: type, model_path: str, tokenizer: object, learner: object) -> object:
+    """A placement (`RayRollouts`, `ProcessRollouts`, ...) of `recipe` built as the trainer builds it, with
+    the recipe's placement plan on this machine."""
+    from anytime.config.placement_plan import placement_plan
 
-    packed = [rows_of(s, [advantages_of(d.rollout, recipe) for d in s.draws], recipe, pad_id) for s in shares]
-    return joined([rows for rows, _ in packed]), [sums for _, sums in packed]
+    return cls(recipe, placement_plan(recipe), model_path, tokenizer, learner)
+
+
+def snapshot(learner: object, version: int = 0) -> object:
+    """A learner's full weights as the trainer hands them to a placement (`Rollouts.sync_weights`)."""
+    from anytime.batch.weight_snapshot import WeightSnapshot
+
+    return WeightSnapshot(version, state=learner.full_state_dict())
+
+
+def train_rows(rollout: object, thinking: object, summary: object, *, summary_max_tokens: int,
+               thinking_weight: float = 1.0, summary_weight: float = 1.0, **kwargs: object) -> object:
+    """`build_train_batch` of per-group advantages ([B, G, S] thinking, [B, G, S, A] summary), spread over
+    the tokens and with the loss width the experience stage gives them (`anytime.trainer.experience`)."""
+    from anytime.batch.packing import build_train_batch
+    from anytime.trainer.experience import loss_width, token_advantages
+
+    tokens, summaries = token_advantages(rollout, thinking, summary, thinking_weight=thinking_weight,
+                                         summary_weight=summary_weight)
+    return build_train_batch(rollout, tokens, summaries, max_len=loss_width(rollout, summary_max_tokens), **kwargs)

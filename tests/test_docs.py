@@ -77,6 +77,21 @@ def test_every_shell_block_is_checked_or_marked():
 
 
 @pytest.mark.unit
+def test_the_readmes_gpu_install_brings_what_the_gpu_tier_runs_with():
+    """`python -m pytest -m gpu` right after the README's GPU install: the extras it names bring pytest,
+    the plugins the suite's markers need (`timeout`) and the libraries the gpu workloads run on."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = next(body for check, _, body in blocks(REPO / "README.md") if check == "gpu" and "pip install" in body)
+    named = re.search(r'pip install -e "\.\[([^\]]+)\]"', install)[1].split(",")
+    brought = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower() for name in named
+               for requirement in extras[name]}
+    for needed in ("pytest", "pytest-timeout", "pytest-xdist", "vllm", "deepspeed", "peft", "ray"):
+        assert needed in brought, f"the README's GPU install (extras {named}) brings no {needed}"
+
+
+@pytest.mark.unit
 def test_links_between_docs_resolve():
     for path in [*DOCS, REPO / "eval" / "README.md"]:
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):

@@ -26,8 +26,12 @@ GOOD = {
     "hub_offline": lambda: True,
     "cuda_toolkit": lambda: None,
     "fused_adam_prebuilt": lambda: False,
+    "nvcc_cuda_release": lambda nvcc: "12.8",
+    "ninja_available": lambda: True,
+    "precision_facts": lambda: {"capability": "AVX512", "cpu_bf16": True, "cpu_bf16_path": "native", "cuda_bf16": True},
     "ray_address": lambda: None,
 }
+AVX2 = {"capability": "AVX2", "cpu_bf16": False, "cpu_bf16_path": "reference", "cuda_bf16": False}   # an AVX2-only CPU: no native bf16 GEMM
 NVCC = "/usr/local/cuda/bin/nvcc"
 
 
@@ -159,11 +163,76 @@ def test_a_toolkit_or_a_prebuilt_op_lets_deepspeed_run_fused_adam(machine, toolk
 def test_the_doctor_and_the_learner_choose_the_same_adam(machine, monkeypatch, toolkit, prebuilt):
     machine(torch_info=cuda_torch(1), cuda_toolkit=lambda: toolkit, fused_adam_prebuilt=lambda: prebuilt)
     for name, probe in {"cuda_available": lambda: True, "cuda_toolkit": lambda: toolkit,
-                        "fused_adam_prebuilt": lambda: prebuilt}.items():
+                        "fused_adam_prebuilt": lambda: prebuilt, "nvcc_cuda_release": lambda nvcc: "12.8",
+                        "torch_cuda_version": lambda: "12.8", "ninja_available": lambda: True}.items():
         monkeypatch.setattr(deepspeed_learner, name, probe)
     config = deepspeed_learner.deepspeed_config(load_recipe(QUICKSTART).learner, zero_stage=2)
     doctor_warns = by_name(doctor.diagnose())["cuda-toolkit"].status == "warn"
     assert doctor_warns == config["optimizer"]["params"]["torch_adam"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("release, ninja, detail, fix", [
+    ("11.8", True, "CUDA 11.8 (/usr/local/cuda/bin/nvcc) for a torch built for CUDA 12.8", "CUDA 12.8 toolkit"),
+    ("12.8", False, deepspeed_learner.NO_NINJA, "pip install ninja"),
+])
+def test_a_toolkit_of_another_cuda_major_or_no_ninja_is_a_note_with_its_fix(machine, release, ninja, detail, fix):
+    machine(torch_info=cuda_torch(1), cuda_toolkit=lambda: NVCC, nvcc_cuda_release=lambda nvcc: release,
+            ninja_available=lambda: ninja)
+    check = by_name(doctor.diagnose())["cuda-toolkit"]
+    assert check.status == "warn" and detail in check.detail and fix in check.fix
+
+
+@pytest.mark.unit
+def test_the_toolkit_check_names_nvcc_s_cuda_beside_torch_s(machine):
+    machine(torch_info=cuda_torch(1), cuda_toolkit=lambda: NVCC, nvcc_cuda_release=lambda nvcc: "12.4")
+    check = by_name(doctor.diagnose())["cuda-toolkit"]
+    assert check.status == "ok" and "CUDA 12.4; torch's 12.8" in check.detail and "ninja" in check.detail
+
+
+# --- precision on this machine --------------------------------------------------------------------------
+
+def precision_check(machine, facts, *overrides, recipe=QUICKSTART, **probes):
+    machine(precision_facts=lambda: facts, **probes)
+    checks = doctor.diagnose(recipe=None if recipe is None else load_recipe(recipe, list(overrides)))
+    return by_name(checks)["precision"]
+
+
+@pytest.mark.unit
+def test_the_cpu_s_capability_and_native_bf16_are_reported(machine, capsys):
+    check = precision_check(machine, GOOD["precision_facts"](), recipe=None)
+    assert check.status == "ok" and check.detail == "CPU AVX512, native bf16 GEMM: yes"
+    check = precision_check(machine, AVX2, recipe=None)
+    assert check.status == "warn" and check.detail.startswith("CPU AVX2, native bf16 GEMM: no")
+    assert "~34x slower" in check.detail and "learner.bf16: auto" in check.fix
+    assert doctor.run(no_args()) == 0   # a note, not a problem
+    assert "note    precision    CPU AVX2, native bf16 GEMM: no" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("facts, became", [(AVX2, "learner.bf16: auto -> fp32 here"),
+                                           (GOOD["precision_facts"](), "learner.bf16: auto -> bf16 here")])
+def test_the_doctor_says_what_learner_bf16_auto_becomes_here(machine, facts, became):
+    check = precision_check(machine, facts, "learner.bf16=auto")
+    assert check.status == "ok" and check.detail.endswith(became)
+
+
+@pytest.mark.unit
+def test_bf16_true_on_a_cpu_without_native_bf16_is_a_problem_naming_the_key(machine, capsys):
+    check = precision_check(machine, AVX2, "learner.bf16=true")
+    assert check.status == "problem" and "`learner.bf16: true`" in check.detail and "~34x" in check.detail
+    assert check.fix == "set learner.bf16=auto or learner.bf16=false"
+    assert precision_check(machine, GOOD["precision_facts"](), "learner.bf16=true").status == "ok"
+    # the same recipe for a GPU run: the GPU's bf16 counts, not the CPU's
+    assert precision_check(machine, {**AVX2, "cuda_bf16": True}, "learner.bf16=true",
+                           torch_info=cuda_torch(1)).status == "ok"
+
+
+@pytest.mark.unit
+def test_bf16_weights_on_a_cpu_without_native_bf16_are_a_note(machine):
+    check = precision_check(machine, AVX2, "model.dtype=bfloat16", "learner.bf16=auto")
+    assert check.status == "warn" and "`model.dtype: bfloat16`" in check.detail
+    assert "learner.bf16: auto -> fp32 here" in check.detail and check.fix == "set model.dtype=float32"
 
 
 # --- the GPUs a recipe asks for ------------------------------------------------------------------------

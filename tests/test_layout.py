@@ -24,8 +24,8 @@ ANALYSIS = "anytime.analysis"
 LAZY_ANALYSIS_IMPORTERS = {"anytime.cli"}
 # What a training run imports: the loop, its launcher and warm start, and the in-package engine,
 # placements and learners (the pipeline schedules are added from their registry).
-TRAINING_MODULES = ("anytime.trainer.trainer", "anytime.trainer.launch", "anytime.trainer.sft", "anytime.rollout.hf",
-                    "anytime.rollout.local", "anytime.learner.data_parallel", "anytime.learner.pipeline_learner")
+TRAINING_MODULES = ("anytime.trainer.trainer", "anytime.trainer.launch", "anytime.trainer.sft", "anytime.rollout.engines.hf",
+                    "anytime.rollout.workers.local", "anytime.learner.data_parallel", "anytime.learner.pipeline_learner")
 
 
 def _module_name(path: Path) -> str:
@@ -112,7 +112,7 @@ def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
 
 
 def unit_of(module: str) -> str:
-    """The package or top-level module a module belongs to: `anytime.rollout.hf` -> `anytime.rollout`."""
+    """The package or top-level module a module belongs to: `anytime.rollout.engines.hf` -> `anytime.rollout`."""
     parts = module.split(".")
     return ".".join(parts[:2])
 
@@ -164,20 +164,21 @@ def test_the_checker_sees_a_circle_and_ignores_type_checking_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from anytime.config import Recipe\n"
-              "def f():\n    from anytime.rollout import engine\n")
+              "def f():\n    from anytime.rollout import runner\n")
     found = _imports(ast.parse(source), "anytime.learner.x", False)
-    assert "anytime.rollout.engine" in found and "anytime.config" not in found
+    assert "anytime.rollout.runner" in found and "anytime.config" not in found
     assert "anytime.config" in _imports(ast.parse(source), "anytime.learner.x", False, type_checking=True)
 
 
 @pytest.mark.unit
 def test_the_recipe_imports_nothing_that_reads_it():
-    """`anytime.config` sits below the packages it configures: no import of theirs, not even for type
-    checking or inside a function; the names it checks come from `anytime.components`."""
+    """`anytime.config` sits below the packages it configures: no module of it imports theirs, not even for
+    type checking or inside a function; the names it checks come from `anytime.components`."""
     graph = import_graph(type_checking=True)
-    above = ("anytime.rollout", "anytime.learner", "anytime.trainer", "anytime.evaluation")
-    assert not {d for d in graph["anytime.config"] if unit_of(d) in above}
-    assert "anytime.components" in graph["anytime.config"]
+    above = ("anytime.rollout", "anytime.learner", "anytime.trainer", "anytime.evaluation", "anytime.serving")
+    config = {d for m, deps in graph.items() if unit_of(m) == "anytime.config" for d in deps}
+    assert not {d for d in config if unit_of(d) in above}, sorted(d for d in config if unit_of(d) in above)
+    assert "anytime.components" in config
 
 
 @pytest.mark.unit
@@ -187,7 +188,7 @@ def test_no_runtime_module_imports_analysis():
     function nor for type checking, and no registry names it; the CLI may only inside its functions."""
     assert (PACKAGE / "analysis" / "__init__.py").is_file()
     assert not analysis_importers(), f"runtime modules importing {ANALYSIS}: {analysis_importers()}"
-    named = {f"{r.key}: {name}" for r in _registries() for name in r.names() if _in_analysis(r.target(name))}
+    named = {f"{r.key}: {name}" for r in _registries() for name in r.names() if _in_analysis(_home(r, name))}
     assert not named, f"registry entries in {ANALYSIS} (a training run would import them): {sorted(named)}"
 
 
@@ -225,12 +226,12 @@ def test_a_training_run_does_not_load_analysis():
 @pytest.mark.unit
 def test_top_level_is_small_and_modules_fit_in_a_head():
     top = [p.name for p in PACKAGE.glob("*.py")]
-    # the entry points (cli, doctor), the recipe (config, its checks, defaults, components), errors, registry
-    assert len(top) <= 9, f"{len(top)} modules directly in anytime/: {sorted(top)}"
+    # the entry points (cli, doctor), the defaults, the runtime registries (components), errors, registry
+    assert len(top) <= 7, f"{len(top)} modules directly in anytime/: {sorted(top)}"
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines: {long}"
-    recipe_lines = len((PACKAGE / "config.py").read_text().splitlines())
-    assert recipe_lines < 450, f"anytime/config.py has {recipe_lines} lines: the recipe schema should stay readable"
+    recipe_lines = len((PACKAGE / "config" / "recipe.py").read_text().splitlines())
+    assert recipe_lines < 450, f"anytime/config/recipe.py has {recipe_lines} lines: the recipe schema should stay readable"
 
 
 @pytest.mark.unit
@@ -245,14 +246,26 @@ def test_functions_fit_on_a_screen():
     assert not long, f"functions over 80 lines: {long}"
 
 
+# The modules that hold registries: the method's, each beside its functions, and the runtime's.
+REGISTRY_MODULES = ("anytime.algo", "anytime.algo.advantages", "anytime.algo.budget", "anytime.algo.loss", "anytime.algo.offpolicy",
+                    "anytime.components", "anytime.defaults", "anytime.pipeline")
+
+
 def _registries() -> list:
-    from anytime.registry import Registry
+    from anytime.registry import FunctionRegistry, Registry
 
     found = []
-    for module in ("anytime.algo", "anytime.components", "anytime.defaults", "anytime.pipeline"):
+    for module in REGISTRY_MODULES:
         mod = importlib.import_module(module)
-        found += [v for v in vars(mod).values() if isinstance(v, Registry)]
+        found += [v for v in vars(mod).values() if isinstance(v, (Registry, FunctionRegistry))]
     return found
+
+
+def _home(registry, name: str) -> str:
+    """The module an entry's implementation lives in (a function's own, or a string entry's)."""
+    from anytime.registry import Registry
+
+    return registry.target(name).partition(":")[0] if isinstance(registry, Registry) else registry.get(name).__module__
 
 
 @pytest.mark.unit
@@ -270,7 +283,7 @@ def test_every_registry_entry_imports():
 @pytest.mark.unit
 def test_recipe_choices_are_the_registries_names():
     """A recipe's allowed values come from the registries: the error lists them, a new entry is allowed."""
-    from anytime.algo import THINKING_ESTIMATORS
+    from anytime.algo.advantages import THINKING_ESTIMATORS
     from anytime.config import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as err:
@@ -295,10 +308,52 @@ def test_tests_mirror_the_package():
 @pytest.mark.unit
 def test_the_rollout_scores_and_the_trainer_makes_the_rows():
     """The method is in the trainer's step: no module of `anytime.rollout` imports the advantage
-    estimators or the packer (not inside a function nor for type checking); the trainer does."""
+    estimators, the importance correction, the packer or the row exchange (not inside a function nor
+    for type checking); the step's experience stage does, and the step calls it."""
     graph = import_graph(type_checking=True)
-    method = {"anytime.algo.advantages", "anytime.batch.packing"}
-    importers = {m: sorted(deps & method) for m, deps in graph.items()
-                 if unit_of(m) == "anytime.rollout" and deps & method}
+    method = {"anytime.algo.advantages", "anytime.algo.offpolicy", "anytime.batch.packing"}
+    importers = {m: sorted(deps & (method | {"anytime.trainer.rows"})) for m, deps in graph.items()
+                 if unit_of(m) == "anytime.rollout" and deps & (method | {"anytime.trainer.rows"})}
     assert not importers, f"rollout modules importing the method: {importers}"
-    assert method <= graph["anytime.trainer.trainer"]
+    assert method <= graph["anytime.trainer.experience"]
+    assert {"anytime.trainer.experience", "anytime.trainer.rows"} <= graph["anytime.trainer.trainer"]
+
+
+@pytest.mark.unit
+def test_the_layout_shows_the_architecture():
+    """Round 6: the recipe and what is derived from it in `anytime.config`; serving in a package of its
+    own; `anytime.rollout` split into engines and workers (the wire format and the device pinning in
+    modules of their own), engines below workers; the learner imports neither rollout nor serving."""
+    graph = import_graph(type_checking=True)
+    modules = set(graph)
+    assert {f"anytime.config.{m}" for m in ("recipe", "checks", "schema", "files", "answer_format",
+                                            "placement_plan")} <= modules
+    assert {f"anytime.serving.{m}" for m in ("protocol", "serve", "answer_processor", "export", "model_card")} <= modules
+    assert {f"anytime.rollout.workers.{m}" for m in ("worker", "pool", "placement", "wire", "devices")} <= modules
+    assert {f"anytime.rollout.engines.{m}" for m in ("engine", "hf", "vllm.engine")} <= modules
+    up = {m: sorted(d for d in deps if d.startswith(("anytime.rollout", "anytime.serving", "anytime.trainer")))
+          for m, deps in graph.items() if m.startswith("anytime.learner")}
+    assert not {m: d for m, d in up.items() if d}, f"learner modules importing the rollout or serving: {up}"
+    up = {m: sorted(d for d in deps if d.startswith(("anytime.serving", "anytime.trainer", "anytime.learner")))
+          for m, deps in graph.items() if m.startswith("anytime.rollout")}
+    assert not {m: d for m, d in up.items() if d}, f"rollout modules importing above them: {up}"
+    up = {m: sorted(d for d in deps if d.startswith(("anytime.rollout.workers", "anytime.rollout.runner",
+                                                     "anytime.rollout.settings")))
+          for m, deps in graph.items() if m.startswith("anytime.rollout.engines")}
+    assert not {m: d for m, d in up.items() if d}, f"engines importing the workers or the runner: {up}"
+
+
+@pytest.mark.unit
+def test_vllm_is_touched_in_two_places_only():
+    """vLLM's engines (`anytime.rollout.engines.vllm`) and serving (`anytime.serving`) import it; nothing
+    else does, inside a function or not."""
+    touch = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                touch.add(_module_name(path))
+    outside = sorted(m for m in touch if not m.startswith(("anytime.rollout.engines.vllm", "anytime.serving")))
+    assert not outside, f"modules importing vLLM outside its two places: {outside}"
+    assert any(m.startswith("anytime.rollout.engines.vllm") for m in touch) and "anytime.serving.answer_processor" in touch

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from anytime.algo import OFFPOLICY_CORRECTIONS
+from anytime.algo.offpolicy import OFFPOLICY_CORRECTIONS
 from anytime.algo.loss import LossSpec, policy_loss, token_loss
 from anytime.algo.offpolicy import (
     IS_LEVELS,
@@ -18,9 +18,8 @@ from anytime.algo.offpolicy import (
     weights_and_sums,
 )
 from anytime.batch.anytime_rollout import AnytimeRollout, padded
-from anytime.batch.packing import build_train_batch
+from tests.helpers import train_rows
 from anytime.batch.train_batch import TrainBatch
-from anytime.config import RecipeError, load_recipe, recipe_from_dict
 from anytime.reward.verifier import REASONS
 
 B, G, S, A = 2, 3, 2, 2
@@ -56,7 +55,7 @@ def layouts(seed: int = 0, noise: float = 0.3) -> tuple[TrainBatch, TrainBatch]:
     t_adv = torch.randn(B, G, S, generator=gen, dtype=torch.float64)
     s_adv = torch.randn(B, G, S, A, generator=gen, dtype=torch.float64)
     t_adv[0, 0], s_adv[1, 2, 0] = 0.0, 0.0
-    batches = tuple(build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=3, pack=pack) for pack in (False, True))
+    batches = tuple(train_rows(rollout, t_adv, s_adv, summary_max_tokens=3, pack=pack) for pack in (False, True))
     shift = noise * torch.randn(int(batches[0].loss_mask.sum()), generator=gen)
     for batch in batches:  # both layouts hold the trained tokens in the same order
         batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -248,23 +247,6 @@ def test_corrected_advantages_reach_the_loss():
 
 
 # --- the recipe ----------------------------------------------------------------------------------
-
-@pytest.mark.unit
-def test_recipe_keys():
-    default = recipe_from_dict({}).algorithm
-    assert (default.offpolicy_correction, default.is_level, default.is_cap) == ("none", "token", 2.0)
-    for name in MODES:
-        assert recipe_from_dict({"algorithm": {"offpolicy_correction": name}}).algorithm.offpolicy_correction == name
-    assert load_recipe(None, ["algorithm.is_cap=.inf", "algorithm.is_level=sequence"]).algorithm.is_cap == math.inf
-    bad = [({"offpolicy_correction": "tiss"},
-            r"`algorithm.offpolicy_correction` must be one of 'none', 'tis', 'mis', got 'tiss' \(did you mean 'tis'"),
-           ({"is_level": "row"}, r"`algorithm.is_level` must be one of 'token', 'sequence', got 'row'"),
-           ({"is_cap": 0}, r"`algorithm.is_cap` must be > 0 \(.inf for no cap\), got 0.0"),
-           ({"is_cap": -1.5}, r"`algorithm.is_cap` must be > 0"),
-           ({"is_cap": float("nan")}, r"`algorithm.is_cap` must be > 0")]
-    for algorithm, message in bad:
-        with pytest.raises(RecipeError, match=message):
-            recipe_from_dict({"algorithm": algorithm})
 
 
 # --- a tiny run ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from anytime.batch.anytime_rollout import AnytimeRollout
-from anytime.batch.packing import build_train_batch
+from tests.helpers import train_rows
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import AlgorithmConfig, LearnerConfig
 
@@ -46,9 +46,10 @@ def real_rollout(model_dir: str) -> AnytimeRollout:
     """3 prompts × 4 traces × 4 budgets × 2 summaries of the transformers engine."""
     from transformers import AutoTokenizer
 
+    from anytime.config.answer_format import AnswerFormat
     from anytime.data.prompts import render_prompt, synthetic_rows
     from anytime.reward.verifier import RewardScorer
-    from anytime.rollout.engine import create_engine
+    from anytime.rollout.engines.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
     from anytime.rollout.settings import AnytimeSettings
 
@@ -57,7 +58,8 @@ def real_rollout(model_dir: str) -> AnytimeRollout:
     with create_engine("hf", model_dir, max_model_len=256, max_prompt_len=128) as engine, \
             RewardScorer(num_workers=1) as scorer:
         runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings(
-            BUDGETS, traces_per_prompt=TRACES, summaries_per_budget=SUMMARIES, summary_max_tokens=5, seed=1))
+            BUDGETS, traces_per_prompt=TRACES, summaries_per_budget=SUMMARIES,
+            format=AnswerFormat(summary_max_tokens=5), seed=1))
         return runner.run([render_prompt(tok, r.problem) for r in rows], [r.answer for r in rows])
 
 
@@ -78,8 +80,8 @@ def advantages(rollout: AnytimeRollout, seed: int = 0) -> tuple[torch.Tensor, to
 def layouts(rollout: AnytimeRollout, seed: int = 0) -> tuple[TrainBatch, TrainBatch]:
     t_adv, s_adv = advantages(rollout, seed)
     kwargs = dict(summary_max_tokens=5, pad_id=0)
-    return (build_train_batch(rollout, t_adv, s_adv, pack=False, **kwargs),
-            build_train_batch(rollout, t_adv, s_adv, pack=True, **kwargs))
+    return (train_rows(rollout, t_adv, s_adv, pack=False, **kwargs),
+            train_rows(rollout, t_adv, s_adv, pack=True, **kwargs))
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """anytime.core.dist on 2 gloo processes: each rank receives exactly its own share of a TrainBatch
-(no other rank's rows), bool masks survive the wire, reductions agree."""
+(no other rank's rows), bool masks survive the wire, reductions agree. And how a rank joins NCCL."""
 
 import json
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,8 +11,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from anytime.batch.train_batch import TrainBatch
-
-pytestmark = pytest.mark.integration
 
 
 def _batch() -> TrainBatch:
@@ -45,6 +44,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
 def test_each_rank_receives_only_its_own_rows(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
@@ -53,3 +53,24 @@ def test_each_rank_receives_only_its_own_rows(tmp_path):
     for r in results:
         assert r.pop("sum") == [3.0, 4.0] and r.pop("max") == 7 and r.pop("any") is True
         assert all(r.values()), r  # every field, bool masks included, arrived exactly
+
+
+@pytest.mark.unit
+def test_a_rank_joins_nccl_on_its_gpu_with_lazy_point_to_point_communicators(monkeypatch):
+    """On a machine made to report GPUs: the process group is NCCL on LOCAL_RANK's GPU, with no
+    device_id. Binding one makes torch create each group's communicator eagerly and then run every
+    point-to-point message of the group on it, one stream, where the pipeline's receives posted
+    ahead block the sends behind them; unbound, each (group, rank pair) gets a communicator of its
+    own, created in one order by the executor's warm-up (tests/pipeline/test_communicator_order.py)."""
+    from anytime.core.dist import init_from_env
+
+    devices, joined = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: joined.append((args, kwargs)))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    init_from_env(timeout_minutes=30)
+    assert devices == [3]
+    assert joined == [(("nccl",), {"timeout": timedelta(minutes=30)})]

@@ -89,21 +89,17 @@ def test_ranks_waiting_on_rank_zero_fail_only_past_the_recipes_timeout(tmp_path)
 
 def _weights_then_rollout(rank: int, port: int, timeout_minutes: float, out: str) -> None:
     """`placement: inprocess` with 2 learner ranks: rank 0 owns the engine (its core in a process of its
-    own, weights by CUDA IPC) and syncs it, then both ranks take their rows of the next rollout."""
+    own, weights by IPC) and syncs it, then both ranks take their rows of the next rollout."""
     import torch.distributed as dist
 
     from anytime.core.dist import scatter_tensors
-    from anytime.rollout.vllm.weights import IpcWeightLoader
-
-    class CpuIpcLoader(IpcWeightLoader):
-        def handle(self, tensor: torch.Tensor) -> dict[str, tuple]:   # the one CUDA-only call
-            return {"GPU-0": (tuple(tensor.shape), str(tensor.dtype))}
+    from anytime.rollout.engines.vllm.weights import IpcWeightLoader
 
     _join(rank, port, timeout_minutes)
     result: dict[str, object] = {}
     try:
-        if rank == 0:
-            CpuIpcLoader(lambda *a, **k: None, torch.device("cpu")).load([("w", torch.ones(3))])
+        if rank == 0:   # the CPU twin of the CUDA IPC sender: the same calls, a shared-memory handle
+            IpcWeightLoader(lambda *a, **k: None, torch.device("cpu")).load([("w", torch.ones(3))])
         shares = [{"rows": torch.full((2,), float(r))} for r in range(2)] if rank == 0 else None
         result["rows"] = scatter_tensors(shares)["rows"].tolist()
     except Exception as exc:

@@ -27,7 +27,7 @@ def test_two_process_deepspeed_training_and_export(tmp_path, zero_stage):
     step = out / "checkpoints" / "step_2"
     assert (step / "deepspeed").is_dir() and (step / "model" / "model.safetensors").is_file()
     # The exported folder reproduces the DeepSpeed learner's (consolidated ZeRO) weights.
-    from anytime.learner.export import export_checkpoint, learner_state_dict
+    from anytime.serving.export import export_checkpoint, learner_state_dict
 
     exported, diff = export_checkpoint(step, tmp_path / "hf")
     assert diff <= 1e-5

@@ -11,11 +11,9 @@ import os
 import pytest
 import torch
 
-from anytime.batch.packing import build_train_batch
-from anytime.config import AlgorithmConfig, LearnerConfig, LoRAConfig, load_recipe
-from anytime.errors import RecipeError
+from tests.helpers import train_rows
+from anytime.config import AlgorithmConfig, LearnerConfig, LoRAConfig
 from anytime.learner.ppo import loss_spec
-from tests.helpers import QUICKSTART
 from tests.learner.test_seq_mean import B, _advantages, _rollout
 
 pytest.importorskip("peft")
@@ -49,7 +47,7 @@ def _lora_learner(path: str, cfg: LoRAConfig = LORA, kind: type | None = None, d
 
 def _mini(learner, pack: bool):
     t_adv, s_adv = _advantages(0)
-    batch = build_train_batch(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=pack)
+    batch = train_rows(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=pack)
     batch.old_logprobs = learner.logprobs(batch) - 0.01   # ratio ≠ 1, inside the clip range
     mini = next(iter(batch.mini_batches(B, 0, 1)))
     return mini, loss_spec(AlgorithmConfig(), mini, batch)
@@ -132,7 +130,7 @@ def test_kl_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
 @pytest.mark.integration
 def test_engine_merges_adapter_factors_into_the_learners_merged_weights(tiny_model_dir):
     from anytime.learner.lora import adapter_bytes
-    from anytime.rollout.hf import HFEngine
+    from anytime.rollout.engines.hf import HFEngine
 
     learner = _lora_learner(tiny_model_dir)
     engine = HFEngine(tiny_model_dir, max_model_len=64, dtype="float64")
@@ -150,20 +148,6 @@ def test_engine_merges_adapter_factors_into_the_learners_merged_weights(tiny_mod
     sent = adapter_bytes(update)
     assert sent * 20 < sum(t.numel() * t.element_size() for t in full.values())
     engine.close()
-
-
-@pytest.mark.integration
-def test_recipe_checks():
-    recipe = load_recipe(QUICKSTART, ["learner.lora.rank=8", "learner.lora.target_modules=[q_proj]"])
-    assert recipe.learner.lora.rank == 8 and recipe.learner.lora.target_modules == ["q_proj"]
-    with pytest.raises(RecipeError, match=r"learner.lora.rank.*pipelined learner.*learner.pipeline.stages=1"):
-        load_recipe(QUICKSTART, ["learner.lora.rank=8", "learner.pipeline.stages=2", "learner.pipeline.microbatches=2"])
-    with pytest.raises(RecipeError, match=r"learner.lora.rank.*ZeRO.*zero_stage=2"):
-        load_recipe(QUICKSTART, ["learner.lora.rank=8", "learner.backend=deepspeed", "learner.zero_stage=3"])
-    with pytest.raises(RecipeError, match=r"learner.lora.dropout"):
-        load_recipe(QUICKSTART, ["learner.lora.rank=8", "learner.lora.dropout=1.0"])
-    with pytest.raises(RecipeError, match=r"learner.lora.rank.*>= 0"):
-        load_recipe(QUICKSTART, ["learner.lora.rank=-1"])
 
 
 @pytest.mark.integration

@@ -49,7 +49,7 @@ def test_export_merged_and_adapter_match_the_learner(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from anytime.cli import main
-    from anytime.learner.export import export_checkpoint, load_adapter_model
+    from anytime.serving.export import export_checkpoint, load_adapter_model
 
     step = runs[0] / "checkpoints" / "step_3"
     merged, diff_merged = export_checkpoint(step, tmp_path / "merged")
@@ -79,7 +79,7 @@ def test_eval_takes_a_lora_checkpoint_and_its_adapter_folder(runs, tmp_path, mat
     import json
 
     from anytime.cli import main
-    from anytime.learner.export import export_checkpoint
+    from anytime.serving.export import export_checkpoint
 
     step = runs[0] / "checkpoints" / "step_3"
     merged, _ = export_checkpoint(step, tmp_path / "merged")

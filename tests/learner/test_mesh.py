@@ -288,7 +288,7 @@ def test_deepspeed_mesh_skips_a_nan_on_every_rank_resumes_exactly_and_exports(tm
     """Also: a mini-batch dropped after its schedule ran leaves no trace in ZeRO's gradients."""
     from safetensors.torch import load_file
 
-    from anytime.learner.export import export_checkpoint, learner_state_dict
+    from anytime.serving.export import export_checkpoint, learner_state_dict
 
     dirs = {"tied": _model_dir(tmp_path, True), "untied": _model_dir(tmp_path, False)}
     mp.spawn(_spawned, args=(str(tmp_path / "store"), _ds_nan_and_resume_body, str(tmp_path), dirs), nprocs=WORLD)

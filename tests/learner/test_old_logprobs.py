@@ -4,15 +4,12 @@ would not; `learner.bf16` autocasts the torch learner's forward passes."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from anytime.config import AlgorithmConfig, LearnerConfig
-from anytime.errors import RecipeError
 from anytime.learner.ppo import loss_spec
-from anytime.batch.packing import build_train_batch
+from tests.helpers import train_rows
 from tests.learner.test_seq_mean import B, _advantages, _rollout
 
 
@@ -27,7 +24,7 @@ def _learner(path: str, dtype=torch.float64, **kwargs):
 
 def _batch():
     t_adv, s_adv = _advantages(0)
-    return build_train_batch(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=True)
+    return train_rows(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=True)
 
 
 def _grads(learner, on_policy: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -66,17 +63,3 @@ def test_bf16_autocasts_the_torch_learners_forward(tiny_model_dir):
     assert torch.isfinite(torch.tensor(sums["loss"])) and all(g.dtype == torch.float32 for g in grads.values())
 
 
-@pytest.mark.unit
-def test_update_logprobs_are_refused_unless_the_step_is_fully_on_policy():
-    from anytime.config import load_recipe
-    from tests.helpers import QUICKSTART
-
-    recipe = load_recipe(QUICKSTART, ["learner.old_logprobs=update"])   # one epoch, one mini-batch, lock-step
-    assert recipe.learner.old_logprobs == "update"
-    for override, says in [("learner.ppo_epochs=2", "ppo_epochs is 2"),
-                           ("learner.mini_batch_prompts=4", "mini_batch_prompts (4) is below"),
-                           ("rollout.max_staleness=1", "max_staleness is 1"),
-                           ("algorithm.offpolicy_correction=tis", "offpolicy_correction is tis")]:
-        with pytest.raises(RecipeError, match=r"set learner.old_logprobs=recompute, or: .*" + says.replace("(", r"\(")
-                           .replace(")", r"\)")):
-            load_recipe(QUICKSTART, ["learner.old_logprobs=update", override])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from anytime.batch.train_batch import TrainBatch
-from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig, RecipeError, load_recipe
+from anytime.config import AlgorithmConfig, LearnerConfig, PipelineConfig
 from tests.batch.test_packing import assert_same_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -256,37 +256,6 @@ def test_mini_batches_group_prompts_and_count_tokens_before_dropping():
     tokens = loss_spec(AlgorithmConfig(loss_agg="token-mean"), minis[2], batch).num_tokens
     assert tokens == batch.tokens_per_prompt[4] > 0  # dropped rows still count in the normaliser
     assert sum(len(m.batch) for m in minis) == len(batch)
-
-
-@pytest.mark.integration
-def test_recipe_checks_for_the_pipelined_learner():
-    base = ["learner.pipeline.stages=2"]
-    recipe = load_recipe(QUICKSTART, base + ["learner.pipeline.schedule=zb-v", "learner.pipeline.offload_chunks=[1]"])
-    assert recipe.learner.pipeline.stages == 2
-    bad = {
-        "learner.backend=deepspeed": "supports ZeRO stages 1 and 2: set learner.zero_stage=1 or 2",
-        "learner.pipeline.schedule=zb-h3": "must be one of '1f1b', .*'zb-h1'",
-        "learner.num_processes=3": "must be a multiple of `learner.pipeline.stages`",
-        "learner.pipeline.microbatches=1": "must be >= stages",
-        "learner.pipeline.chunks=3": "chunks",
-        "learner.pipeline.offload_chunks=[1]": r"chunk indices in 0\.\.0",
-        "algorithm.kl_coef=0.1": "reference model",
-        "model.gradient_checkpointing=true": "gradient_checkpointing",
-    }
-    for override, message in bad.items():
-        extra = ["learner.reference_model=true"] if override.startswith("algorithm.kl_coef") else []
-        extra += ["learner.zero_stage=3"] if override.startswith("learner.backend") else []
-        with pytest.raises(RecipeError, match=message):
-            load_recipe(QUICKSTART, base + extra + [override])
-    assert load_recipe(QUICKSTART, base + ["learner.num_processes=2"]).learner.processes == 2
-    assert load_recipe(QUICKSTART, base).learner.processes == 2  # 1 = one replica: a process per stage
-    mesh = load_recipe(QUICKSTART, base + ["learner.num_processes=4", "learner.backend=deepspeed",
-                                           "learner.zero_stage=1"]).learner
-    assert (mesh.processes, mesh.pipeline.stages, mesh.backend) == (4, 2, "deepspeed")  # 2 stages × 2 replicas
-    # Post-validation by default on the torch backend, the blocking step on DeepSpeed; either can be asked for.
-    assert mesh.pipeline.post_validating("torch") and not mesh.pipeline.post_validating("deepspeed")
-    assert load_recipe(QUICKSTART, base + ["learner.pipeline.post_validate=true"]).learner.pipeline.post_validating(
-        "deepspeed")
 
 
 @pytest.mark.e2e

@@ -8,7 +8,7 @@ import torch
 
 from anytime.algo.loss import token_loss
 from anytime.batch.anytime_rollout import AnytimeRollout, padded
-from anytime.batch.packing import build_train_batch
+from tests.helpers import train_rows
 from anytime.config import AlgorithmConfig
 from anytime.learner.ppo import loss_spec
 from anytime.reward.verifier import REASONS
@@ -67,7 +67,7 @@ def grpo_seq_mean(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Ten
 def batch_loss(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor, *, pack: bool, drop: bool,
                dp_size: int = 1) -> float:
     """The loss of one mini-batch holding every prompt, summed over `dp_size` replicas' shares."""
-    batch = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=drop, pack=pack)
+    batch = train_rows(rollout, t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=drop, pack=pack)
     algo = AlgorithmConfig(loss_agg="seq-mean-token-mean")
     total = 0.0
     for rank in range(dp_size):
@@ -84,7 +84,7 @@ def batch_loss(rollout: AnytimeRollout, t_adv: torch.Tensor, s_adv: torch.Tensor
 def test_seq_mean_counts_every_sampled_sequence(pack, seed):
     rollout, (t_adv, s_adv) = _rollout(seed), _advantages(seed)
     expected = grpo_seq_mean(rollout, t_adv, s_adv)
-    dropped = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=3, pack=pack)
+    dropped = train_rows(rollout, t_adv, s_adv, summary_max_tokens=3, pack=pack)
     assert int(dropped.sequences.sum()) < B * G * (1 + S * A)   # the case: rows really were dropped
     assert batch_loss(rollout, t_adv, s_adv, pack=pack, drop=True) == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert batch_loss(rollout, t_adv, s_adv, pack=pack, drop=False) == pytest.approx(expected, rel=1e-6, abs=1e-9)

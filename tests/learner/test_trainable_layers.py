@@ -11,7 +11,7 @@ from anytime.config import AlgorithmConfig, LearnerConfig, LoRAConfig
 from anytime.errors import RecipeError
 from anytime.learner.freeze import decoder_layers, top_layer_indices, train_top_layers
 from anytime.learner.ppo import loss_spec
-from anytime.batch.packing import build_train_batch
+from tests.helpers import train_rows
 from tests.learner.test_seq_mean import B, _advantages, _rollout
 
 
@@ -28,7 +28,7 @@ def _learner(path: str, trainable_layers: int = 0):
 
 def _grads(learner) -> dict[str, torch.Tensor]:
     t_adv, s_adv = _advantages(0)
-    batch = build_train_batch(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=True)
+    batch = train_rows(_rollout(0), t_adv, s_adv, summary_max_tokens=3, drop_zero_rows=False, pack=True)
     batch.old_logprobs = learner.logprobs(batch) - 0.01
     mini = next(iter(batch.mini_batches(B, 0, 1)))
     learner.forward_backward(mini.batch, loss_spec(AlgorithmConfig(), mini, batch))
@@ -95,12 +95,3 @@ def test_a_count_beyond_the_model_is_refused_with_the_range(tiny_model_dir):
         train_top_layers(model, total + 1)
 
 
-@pytest.mark.unit
-def test_recipe_refuses_negative_counts_and_pipelines():
-    from anytime.config import load_recipe
-    from tests.helpers import QUICKSTART
-
-    with pytest.raises(RecipeError, match="trainable_layers` must be >= 0"):
-        load_recipe(QUICKSTART, ["learner.trainable_layers=-1"])
-    with pytest.raises(RecipeError, match="pipelined learner"):
-        load_recipe(QUICKSTART, ["learner.trainable_layers=1", "learner.pipeline.stages=2"])

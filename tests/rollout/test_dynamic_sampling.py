@@ -9,7 +9,7 @@ import torch
 
 from anytime.batch.anytime_rollout import AnytimeRollout, padded
 from anytime.reward.verifier import REASONS, Verdict
-from anytime.rollout.dynamic_sampling import draw_mixed_groups, dynamic_metrics, mixed_groups
+from anytime.rollout.workers.dynamic_sampling import draw_mixed_groups, mixed_groups
 from anytime.trainer.trainer import step_candidate_rows, step_row_indices
 
 
@@ -67,8 +67,8 @@ def test_draws_refill_only_unfilled_slots_with_their_next_candidate_and_seed_by_
     for rollout, keep in zip(draws.drawn, draws.kept):   # no kept group has a single reward
         assert all(mixed_groups(rollout.scores)[keep].tolist())
     counts = draws.counts()
-    assert counts == {"dynamic/slots": 3.0, "dynamic/drawn": 7.0, "dynamic/kept": 2.0}
-    metrics = dynamic_metrics(counts)
+    assert (counts.dynamic_slots, counts.dynamic_drawn, counts.dynamic_kept) == (3.0, 7.0, 2.0)
+    metrics = counts.dynamic_metrics()
     assert metrics["rollout/dynamic_dropped_frac"] == pytest.approx(5 / 7)
     assert metrics["rollout/dynamic_drawn_per_kept"] == pytest.approx(3.5)
     assert metrics["rollout/dynamic_unfilled_frac"] == pytest.approx(1 / 3)
@@ -108,15 +108,16 @@ def test_a_worker_trains_only_mixed_groups_under_their_slots(tiny_model_dir):
 
     from anytime.config import load_recipe
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.worker import RolloutWorker
-    from anytime.trainer.metrics import rollout_metrics
-    from tests.helpers import QUICKSTART, step_rows
+    from anytime.config.placement_plan import placement_plan
+    from anytime.rollout.workers.worker import RolloutWorker
+    from anytime.trainer.experience import experience
+    from tests.helpers import QUICKSTART
 
     recipe = load_recipe(QUICKSTART, ["rollout.engine=hf", "rollout.n=2", "summary.n=1", "budget.budgets=[4,8]",
                                       "budget.max_thinking=8", "rollout.dynamic_sampling=true",
                                       "rollout.dynamic_sampling_max_draws=2"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    worker = RolloutWorker(recipe, tiny_model_dir, tok)
+    worker = RolloutWorker(recipe, placement_plan(recipe), tiny_model_dir, tok)
     worker.scorer.close()
     worker.runner.scorer = ScoreByGold()
     drawn = []
@@ -125,8 +126,9 @@ def test_a_worker_trains_only_mixed_groups_under_their_slots(tiny_model_dir):
     try:
         candidates = [[render_prompt(tok, f"Start with {s}{r}. Step 1: add 2.") for r in range(2)] for s in range(3)]
         golds = [["wrong", "wrong"], ["mixed", "wrong"], ["wrong", "mixed"]]
-        batch, (sums,) = step_rows([worker.rollout(candidates, golds, step=0, prompt_index=[0, 1, 2], num_prompts=3)],
-                                   recipe)
+        exp = experience([worker.rollout(candidates, golds, step=0, prompt_index=[0, 1, 2], num_prompts=3)],
+                         recipe, pad_id=0)
+        batch = exp.batch
     finally:
         worker.close()
     assert [r.golds for r in drawn] == [["wrong", "mixed", "wrong"], ["wrong", "mixed"]]
@@ -134,7 +136,7 @@ def test_a_worker_trains_only_mixed_groups_under_their_slots(tiny_model_dir):
     trained = set(batch.prompt_index[batch.sequences > 0].tolist())
     assert trained == {1, 2}                      # slot 0 never got a mixed group: it trains nothing
     assert batch.tokens_per_prompt[0] == 0 and batch.tokens_per_prompt[1:].gt(0).all()
-    metrics = rollout_metrics(sums, recipe.budget.grid(), recipe.budget.prior_probs())
+    metrics = exp.sums.metrics(recipe.budget.grid())
     assert metrics["rollout/dynamic_dropped_frac"] == pytest.approx(3 / 5)
     assert metrics["rollout/dynamic_drawn_per_kept"] == pytest.approx(2.5)
     assert metrics["rollout/dynamic_unfilled_frac"] == pytest.approx(1 / 3)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from anytime.models.tiny import build_tiny_model
-from anytime.rollout.engine import Branch, EngineError, SamplingConfig, create_engine
+from anytime.rollout.engines.engine import Branch, EngineError, SamplingConfig, create_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,6 +39,24 @@ def learner(model_dir):
 def hf(model_dir):
     with create_engine("hf", model_dir, max_model_len=MAX_LEN, max_prompt_len=64) as eng:
         yield eng
+
+
+TRANSFER = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+
+
+def recorded(engine) -> list[tuple[str, object]]:
+    """Every control call the engine makes from now on, its weight loader's too: (method, or collective_rpc's
+    method; its reply). Call it before the engine's first weight load (the loader takes the frontend then)."""
+    calls: list[tuple[str, object]] = []
+    api = engine._api
+
+    def recording(method, *args, **kwargs):
+        reply = api(method, *args, **kwargs)
+        calls.append((args[0] if method == "collective_rpc" else method, reply))
+        return reply
+
+    engine._api = recording
+    return calls
 
 
 @torch.no_grad()
@@ -531,7 +549,7 @@ def test_vllm_bad_requests_fail_before_generation(vllm_engine):
 def test_vllm_sleep_is_a_logged_noop_on_cpu(vllm_engine, caplog):
     if not vllm_engine.on_cpu:
         pytest.skip("GPU engine: sleep mode is real there")
-    with caplog.at_level(logging.INFO, logger="anytime.rollout.vllm.engine"):
+    with caplog.at_level(logging.INFO, logger="anytime.rollout.engines.vllm.engine"):
         vllm_engine.sleep()
         vllm_engine.wake_up()
     assert sum("no-op" in r.getMessage() for r in caplog.records) == 2
@@ -556,9 +574,11 @@ def test_vllm_rejects_unservable_head_dim(tmp_path):
 @pytest.mark.vllm
 def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
     """The layout used inside a multi-process learner: the engine runs in its own process, samples
-    exactly what the in-process engine samples, takes weights through a safetensors file that it
-    deletes afterwards, and closing leaves no process behind (AsyncLLM's, always in a process of its
-    own: tests/rollout/test_vllm_inflight.py)."""
+    exactly what the in-process engine samples, takes weights through vLLM's weight-transfer calls (the
+    CPU twin of CUDA IPC: a shared-memory file, deleted once the engine has loaded it), and closing leaves
+    no process behind (AsyncLLM's, always in a process of its own: tests/rollout/test_vllm_inflight.py and
+    tests/rollout/test_vllm_inflight.py::test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv)."""
+
     pytest.importorskip("vllm")
     psutil = pytest.importorskip("psutil")
     import tempfile
@@ -582,9 +602,10 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
         assert_same_samples(eng.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY),
                             vllm_engine.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY))
         new = perturbed_copy(model_dir)
-        files_before = weight_files()
+        files_before, calls = weight_files(), recorded(eng)
         eng.update_weights(new.state_dict().items())
         assert weight_files() == files_before
+        assert [m for m, _ in calls] == [*TRANSFER, "reset_prefix_cache"] and calls[2][1] == [None]
         assert [c[0].token_ids for c in eng.generate(PROMPTS, greedy)] == [
             reference_greedy(new, p, 20)[0] for p in PROMPTS
         ]
@@ -598,7 +619,7 @@ def test_vllm_engine_in_its_own_process(model_dir, learner, vllm_engine):
 @pytest.mark.integration
 def test_orphaned_weight_files_are_removed(tmp_path):
     pytest.importorskip("psutil")
-    from anytime.rollout.weight_files import remove_orphaned_weight_files
+    from anytime.rollout.engines.weight_files import remove_orphaned_weight_files
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = tmp_path / f"anytime-weights-{int(dead.stdout)}-x.safetensors"
@@ -614,7 +635,7 @@ def test_orphaned_weight_files_are_removed(tmp_path):
 def test_weights_file_keeps_tied_and_sliced_tensors():
     from safetensors.torch import load_file
 
-    from anytime.rollout.weight_files import write_weights
+    from anytime.rollout.engines.weight_files import write_weights
 
     emb, fused = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(6, 2)
     path = write_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(3)),

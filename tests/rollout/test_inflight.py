@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from anytime.config import RecipeError, load_recipe
-from anytime.rollout.engine import SamplingConfig, create_engine
-from anytime.rollout.inflight import WeightMailbox
+from anytime.rollout.engines.engine import SamplingConfig, create_engine
+from anytime.rollout.workers.inflight import WeightMailbox
 from tests.helpers import QUICKSTART
 
 pytestmark = pytest.mark.unit
@@ -65,7 +65,7 @@ def test_hf_engine_swaps_weights_between_decoding_steps(tiny_model_dir):
 
 
 def test_a_swap_keeps_the_thinking_cache_for_the_summaries(tiny_model_dir):
-    from anytime.rollout.engine import Branch
+    from anytime.rollout.engines.engine import Branch
 
     head = new_head(tiny_model_dir)
     offers = iter([(1, [("lm_head.weight", head)])])
@@ -96,25 +96,6 @@ def test_the_mailbox_hands_over_only_the_newest_version():
     box.wait_for(4, held=3, timeout_s=10)
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["rollout.placement=ray"], "needs `rollout.max_staleness` >= 1"),
-    (["rollout.max_staleness=2", "rollout.placement=inprocess"], "needs workers in their own processes"),
-    (["rollout.max_staleness=2", "rollout.placement=ray", "rollout.weight_sync=nccl"], "NCCL is a collective"),
-    (["rollout.max_staleness=2", "rollout.placement=ray", "rollout.worker_restarts=1"], "which inflight does not keep"),
-])
-def test_recipe_check_refuses_what_cannot_swap_mid_generation(extra, match):
-    with pytest.raises(RecipeError, match=match):
-        load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", *extra])
-    from anytime.recipe_checks import resolve_placement
-
-    auto = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2"])
-    assert resolve_placement(auto, 1) == "processes"   # auto gives in-flight workers a process of their own
-    for engine in ("hf", "vllm"):
-        ok = load_recipe(QUICKSTART, ["rollout.staleness_mode=inflight", "rollout.max_staleness=2",
-                                      "rollout.placement=ray", f"rollout.engine={engine}"])
-        assert ok.rollout.staleness_mode == "inflight"
-
-
 def test_the_vllm_frontend_is_a_vllm_setting():
     """`rollout.vllm_frontend` picks how the vllm engine is driven; with another engine it is refused by
     name, and an unknown frontend lists the two."""
@@ -124,7 +105,7 @@ def test_the_vllm_frontend_is_a_vllm_setting():
         load_recipe(QUICKSTART, ["rollout.engine=hf", "rollout.vllm_frontend=async"])
     with pytest.raises(RecipeError, match="async"):
         load_recipe(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm_frontend=asyncllm"])
-    from anytime.rollout.vllm import vllm_engine
+    from anytime.rollout.engines.vllm import vllm_engine
 
     with pytest.raises(ValueError, match="one of"):
         vllm_engine("unused", frontend="offline")

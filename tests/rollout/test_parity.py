@@ -12,9 +12,10 @@ from anytime import defaults
 from anytime.algo.advantages import summary_advantages
 from anytime.batch.train_batch import TrainBatch
 from anytime.config import AlgorithmConfig, load_recipe
+from anytime.config.answer_format import AnswerFormat
 from anytime.learner.ppo import loss_spec
 from anytime.reward.verifier import RewardScorer
-from anytime.rollout.engine import Completion, RolloutEngine
+from anytime.rollout.engines.engine import Completion, RolloutEngine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import AnytimeSettings
 
@@ -62,7 +63,7 @@ def test_a_trace_ending_in_eos_is_really_cut_below_its_length(tiny_model_dir):
     answer = tok("\\boxed{7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     engine = ScriptedEngine([[t, t, tok.eos_token_id]], answer, len(tok))
     with RewardScorer(num_workers=1) as scorer:
-        runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((2, 4, 6), 1, 2, 8))
+        runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((2, 4, 6), 1, 2, AnswerFormat(summary_max_tokens=8)))
         out = runner.run([[1, 2, 3]], ["7"])
     assert out.eos_end.tolist() == [[True]]
     assert out.prefix_group.tolist() == [[[0, 1, 1]]]

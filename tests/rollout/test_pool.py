@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from anytime.batch.anytime_rollout import ScoredRollout
+from anytime.batch.step_sums import StepSums
 from anytime.config import load_recipe
-from anytime.rollout.pool import WorkerPool
+from anytime.config.placement_plan import placement_plan
+from anytime.batch.weight_snapshot import WeightSnapshot
+from anytime.rollout.workers.pool import WorkerPool
 from tests.helpers import QUICKSTART
 
 pytestmark = pytest.mark.unit
@@ -19,7 +22,7 @@ class RecordingTransport:
 
     size = 2
 
-    def __init__(self, recipe, model_path) -> None:
+    def __init__(self, recipe, plan, model_path) -> None:
         self.calls: list[tuple[int, str, tuple]] = []
         self.read: list[tuple[int, str]] = []
         self.offers: list[int] = []
@@ -30,10 +33,10 @@ class RecordingTransport:
 
     def reply(self, i, pending, what):
         self.read.append((i, pending[1]))
-        return ScoredRollout([], 1, {}, {}).to_state() if pending[1] == "rollout" else None
+        return ScoredRollout([], 1, StepSums(), {}).to_state() if pending[1] == "rollout" else None
 
-    def load_weights(self, state):
-        return [self.call(i, "update_weights", "weights") for i in range(self.size)]
+    def load_weights(self, state, version):
+        return [self.call(i, "update_weights", "weights", version) for i in range(self.size)]
 
     def offer_weights(self, state, version):
         self.offers.append(version)
@@ -57,7 +60,12 @@ class OneRank:
 
 
 def pool(*overrides: str) -> RecordingPool:
-    return RecordingPool(load_recipe(QUICKSTART, list(overrides)), "model", None, OneRank())
+    recipe = load_recipe(QUICKSTART, list(overrides))
+    return RecordingPool(recipe, placement_plan(recipe), "model", None, OneRank())
+
+
+def weights(version: int) -> WeightSnapshot:
+    return WeightSnapshot(version, state={"w": torch.zeros(1)})
 
 
 def test_each_worker_gets_whole_prompts_under_their_step_indices():
@@ -73,9 +81,9 @@ def test_a_rollout_waits_for_the_syncs_queued_ahead_of_it_not_those_after():
     collecting step 1 must not wait for it (it would wait for step 2's rollout too)."""
     p = pool("rollout.max_staleness=2", "rollout.placement=processes")
     first = p.submit([[1]], ["a"], 1)
-    p.sync_weights(OneRank(), 1)
+    p.sync_weights(weights(1))
     second = p.submit([[1]], ["a"], 2)
-    p.sync_weights(OneRank(), 2)
+    p.sync_weights(weights(2))
     p.transport.read.clear()
     p.collect(first)
     assert [m for _, m in p.transport.read] == ["rollout", "rollout"]
@@ -87,13 +95,13 @@ def test_a_rollout_waits_for_the_syncs_queued_ahead_of_it_not_those_after():
 
 def test_lock_step_reads_every_sync_before_returning():
     p = pool()
-    p.sync_weights(OneRank(), 1)
+    p.sync_weights(weights(1))
     assert [m for _, m in p.transport.read] == ["update_weights", "update_weights"]
 
 
 def test_in_flight_offers_and_every_later_call_names_the_version_offered():
     p = pool("rollout.staleness_mode=inflight", "rollout.max_staleness=1", "rollout.placement=processes")
-    p.sync_weights(OneRank(), 3)
+    p.sync_weights(weights(3))
     assert p.transport.offers == [3] and not p.transport.read
     p.submit([[1]], ["a"], 4)
     assert p.transport.calls[-1][2][-1] == 3           # no worker starts step 4 before version 3

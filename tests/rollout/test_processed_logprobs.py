@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from anytime.algo.logprobs import SamplingProcessing, processed_logits, selected_logprobs
-from anytime.rollout.engine import SamplingConfig, create_engine
+from anytime.rollout.engines.engine import SamplingConfig, create_engine
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 30, 31, 32]]
 SAMPLING = SamplingConfig(max_new_tokens=24, n=2, temperature=0.6, top_p=0.95, seed=3)

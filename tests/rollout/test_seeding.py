@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from anytime.config.answer_format import AnswerFormat
 from anytime.data.prompts import render_prompt
 from anytime.reward.verifier import RewardScorer
-from anytime.rollout.engine import Branch, SamplingConfig, create_engine
+from anytime.rollout.engines.engine import Branch, SamplingConfig, create_engine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.seeding import request_seeds, sample_seeds, uniforms
 from anytime.rollout.settings import AnytimeSettings
@@ -79,7 +80,8 @@ def test_anytime_rollout_of_a_prompt_is_the_same_on_any_worker(engine, tiny_mode
                for k in range(4)]
     golds = [str((k + 9) % 10) for k in range(4)]
     with RewardScorer(num_workers=1) as scorer:
-        runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((8, 16), 2, 2, 6, seed=0))
+        settings = AnytimeSettings((8, 16), 2, 2, AnswerFormat(summary_max_tokens=6), seed=0)
+        runner = AnytimeRolloutRunner(engine, tok, scorer, settings)
         whole = runner.run(prompts, golds, seed=5)
         shard = runner.run(prompts[1::2], golds[1::2], seed=5, prompt_index=[1, 3])  # worker 2 of 2
     for name in ("think_ids", "think_len", "cut", "summary_ids", "summary_len", "scores"):

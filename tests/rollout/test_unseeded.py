@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from anytime.config import RecipeError, load_recipe
+from anytime.config import load_recipe
+from anytime.config.answer_format import AnswerFormat
 from anytime.data.prompts import render_prompt
 from anytime.evaluation.options import EvalOptions, recipe_options
 from anytime.reward.verifier import RewardScorer
-from anytime.rollout.engine import SamplingConfig, create_engine
+from anytime.rollout.engines.engine import SamplingConfig, create_engine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.seeding import request_seeds
 from anytime.rollout.settings import AnytimeSettings, sampling_configs, training_settings
@@ -54,22 +55,13 @@ def test_the_held_out_eval_stays_seeded():
     assert EvalOptions(**recipe_options(recipe)).settings(0).seed_requests
 
 
-@pytest.mark.unit
-def test_worker_restarts_need_seeded_requests():
-    ray = ["rollout.placement=ray", "rollout.workers=2", "rollout.worker_restarts=1"]
-    with pytest.raises(RecipeError, match=r"rollout\.worker_restarts.*rollout\.seed_requests=true"):
-        load_recipe(None, [*ray, "rollout.seed_requests=false"])
-    assert load_recipe(None, ray).rollout.seed_requests
-    assert not load_recipe(None, ["rollout.seed_requests=false"]).rollout.seed_requests
-
-
 @pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_sampling_params_of_an_unseeded_request_carry_no_seed():
     pytest.importorskip("vllm")
     from vllm.sampling_params import SamplingType
 
-    from anytime.rollout.vllm.engine import VLLMEngine
+    from anytime.rollout.engines.vllm.engine import VLLMEngine
 
     config = SamplingConfig(max_new_tokens=4, n=2, temperature=1.0)
     unseeded = VLLMEngine._sampling_params(config, None)
@@ -96,7 +88,8 @@ def test_hf_engine_runs_an_unseeded_rollout_from_its_own_generator(tiny_model_di
         monkeypatch.setattr(engine, "generate_anytime", spy)
         runs = {}
         for seeded in (True, False):
-            settings = AnytimeSettings((8, 16), 2, 2, 6, temperature=1.0, seed=0, seed_requests=seeded)
+            settings = AnytimeSettings((8, 16), 2, 2, AnswerFormat(summary_max_tokens=6), temperature=1.0, seed=0,
+                                       seed_requests=seeded)
             runner = AnytimeRolloutRunner(engine, tok, scorer, settings)
             runs[seeded] = [runner.run(prompts, golds, seed=5) for _ in range(2)]
     assert all(c.request_seeds is not None for c in seen[0] + seen[1])

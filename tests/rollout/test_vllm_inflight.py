@@ -4,7 +4,8 @@ version comes from vLLM's own `weight_versions` spans; sequences in flight conti
 values cached under the old weights, exactly as the transformers engine does; and a request that enters
 after a swap never reuses a prefix block the old weights computed. On vLLM's `AsyncLLM` frontend the
 swap lands wherever the running engine is when the weights arrive (`pause_generation`/`resume_generation`),
-and the same holds there (the last test)."""
+and the same holds there, and between rollouts it takes weights through vLLM's weight-transfer
+conversation, as a GPU engine does, both its processes carrying the GPU's environment (the last test)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from anytime.rollout.engine import Completion, SamplingConfig, create_engine
+from anytime.rollout.engines.engine import Completion, SamplingConfig, create_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -131,8 +132,8 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
     of its own, samples what the stepped in-process engine samples (plain and streamed anytime calls),
     and leaves no process or weight file behind."""
     psutil = pytest.importorskip("psutil")
-    from tests.rollout.test_engines import (NATURAL, SUMMARY, anytime_plan, assert_same_samples,
-                                            engine_processes_left, weight_files)
+    from tests.rollout.test_engines import (NATURAL, SUMMARY, TRANSFER, anytime_plan, assert_same_samples,
+                                            engine_processes_left, recorded, reference_greedy, weight_files)
 
     before, files_before = {p.pid for p in psutil.Process().children(recursive=True)}, weight_files()
     sampled, plan = SamplingConfig(max_new_tokens=20, n=2, temperature=1.5, seed=5), anytime_plan(PROMPTS, 3)
@@ -144,6 +145,8 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
     swapped: list[tuple[int, Completion]] = []   # (s, trace) of every swap original -> perturbed
     with create_engine("vllm", vllm_dir, max_model_len=MAX_LEN, frontend="async") as eng:
         assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert_both_ends_carry_the_weight_transfer_environment(eng)
+        calls = recorded(eng)
         assert eng.generate(PROMPTS, sampled) == stepped_samples
         assert_same_samples(eng.generate_anytime(PROMPTS, NATURAL, plan, SUMMARY), stepped_anytime)
         start = eng.generate([LONG], greedy)[0][0]   # version 0 throughout; LONG's blocks now cached
@@ -157,9 +160,19 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
                 swapped.append((s, out))
             if sum(0 < s < 40 for s, _ in swapped) == 2:
                 break
+        # between rollouts, lock-step, as in flight: vLLM's weight-transfer conversation (one init, then a
+        # session per load), every reply typed and decoded by this process
+        eng.weight_source = None
+        eng.update_weights(weights)
+        assert calls[-1] == ("reset_prefix_cache", True)
+        transfer = [m for m, _ in calls if m in TRANSFER]
+        assert transfer == TRANSFER[:1] + TRANSFER[1:] * (eng.swaps + 1)
+        assert all(reply == [None] for m, reply in calls if m in TRANSFER)
+        synced = eng.generate([LONG], greedy)[0][0]
     assert engine_processes_left(before) == [] and weight_files() == files_before
     assert swapped[0][0] == 0 and any(0 < s < 40 for s, _ in swapped), \
         f"no swap landed inside a trace (swap points {[s for s, _ in swapped]}): the engine finished before each offer"
+    assert synced.token_ids == reference_greedy(model_with(vllm_dir, weights), LONG, 40)[0]
     for s, out in swapped:
         assert out.token_ids[:s] == start.token_ids[:s]
         with create_engine("hf", vllm_dir, max_model_len=MAX_LEN) as hf:
@@ -168,6 +181,22 @@ def test_async_frontend_swaps_while_the_engine_runs_and_keeps_the_traces_kv(vllm
         assert expected.versions == [0] * s + [1] * (40 - s)
         assert out.token_ids == expected.token_ids
         assert out.logprobs == pytest.approx(expected.logprobs, abs=2e-3)
+
+
+def assert_both_ends_carry_the_weight_transfer_environment(eng) -> None:
+    """The GPU's environment on the CPU: this process (the client, which decodes the engine core's typed
+    replies) and the engine core (which decodes the pickled IPC handles) both carry `weight_transfer_env`.
+    Before round 6 only the engine core did: its first typed reply killed the client's output thread and
+    the sync waited forever (vLLM: "VLLM_ALLOW_INSECURE_SERIALIZATION must be set to use custom utility
+    result types")."""
+    import os
+
+    from anytime.rollout.engines.vllm.process import weight_transfer_env
+
+    env = weight_transfer_env(ipc_transfer=True)
+    assert env and all(os.environ.get(k) == v for k, v in env.items())
+    # asked where vLLM's worker runs (vLLM's process title hides /proc/PID/environ)
+    assert eng._api("collective_rpc", lambda worker: {k: __import__("os").environ.get(k) for k in env}) == [env]
 
 
 def original(model_dir: str) -> list[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from anytime.rollout.engine import SamplingConfig, create_engine
+from anytime.rollout.engines.engine import SamplingConfig, create_engine
 from tests.learner.test_lora import _lora_learner
 from tests.rollout.test_engines import CORPUS, MAX_LEN, PROMPTS, assert_close_logprobs
 
@@ -58,7 +58,7 @@ def test_vllm_serves_each_adapter_version_under_a_new_name(tmp_path):
     from transformers import AutoTokenizer
 
     from anytime.learner.checkpoint import save_checkpoint
-    from anytime.learner.export import export_checkpoint
+    from anytime.serving.export import export_checkpoint
 
     try:
         hf.update_adapter(learner.adapter_update())

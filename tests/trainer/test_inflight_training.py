@@ -43,7 +43,7 @@ def still_lock_step(tmp_path_factory) -> dict[int, dict]:
 
 @pytest.mark.parametrize("placement", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
 def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, request, still_lock_step):
-    from tests.rollout.test_rollout_workers import assert_same_run
+    from tests.rollout.test_local import assert_same_run
 
     address = request.getfixturevalue("ray_address") if placement == "ray" else None
     inflight = train(tmp_path / "inflight" / "run", address, STILL, *INFLIGHT, f"rollout.placement={placement}")
@@ -54,7 +54,6 @@ def test_inflight_swaps_change_nothing_but_the_weights(tmp_path, placement, requ
     assert sum(m["rollout/weight_swaps"] for m in inflight.values()) >= 1
     for step, m in inflight.items():
         assert 0 <= m["rollout/token_version_lag"] <= m["rollout/token_version_lag_max"] <= 2, step
-        assert m["rollout/version_lag"] == min(step - 1, 2)   # the version offered when it was dispatched
         assert 0 <= m["rollout/mixed_version_traces"] <= 1
 
 

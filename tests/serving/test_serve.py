@@ -41,7 +41,7 @@ def _model_that_closes_its_thinking(src: str, out: Path) -> None:
 def exported_run(tiny_model_dir, tmp_path_factory):
     """A run folder (recipe.yaml + a checkpoint) exported as `anytime export` does it."""
     from anytime.config import load_recipe
-    from anytime.learner.export import export_checkpoint
+    from anytime.serving.export import export_checkpoint
 
     run = tmp_path_factory.mktemp("run")
     step = run / "checkpoints" / "step_1"
@@ -59,7 +59,7 @@ def exported_run(tiny_model_dir, tmp_path_factory):
 def served(folder: Path):
     import openai
 
-    from anytime.rollout.vllm.serve import running_server
+    from anytime.serving.serve import running_server
 
     flags = ["--max-model-len", "512", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
              "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "tiny"]
@@ -81,7 +81,7 @@ def _evaluated(recipe, folder: Path, n_problems: int):
     from anytime.data.prompts import encode_prompts
     from anytime.evaluation.options import EvalOptions, recipe_options
     from anytime.reward.verifier import RewardScorer
-    from anytime.rollout.engine import create_engine
+    from anytime.rollout.engines.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
 
     opts = dataclasses.replace(EvalOptions(**recipe_options(recipe)), temperature=0.0, samples=1, engine="vllm")
@@ -90,7 +90,8 @@ def _evaluated(recipe, folder: Path, n_problems: int):
     prompts = encode_prompts(tokenizer, rows, opts.instruction, opts.max_prompt_len)
     with create_engine("vllm", str(folder), max_model_len=512, max_prompt_len=opts.max_prompt_len,
                        dtype="float32", seed=0) as engine, \
-            RewardScorer(num_workers=1, header=opts.header.strip(), think_end=opts.think_end) as scorer:
+            RewardScorer(num_workers=1, header=opts.answer_format().verifier_header,
+                         think_end=opts.think_end) as scorer:
         runner = AnytimeRolloutRunner(engine, tokenizer, scorer, opts.settings(0))
         rollout = runner.run(prompts, [r.answer for r in rows], list(opts.budgets), seed=0)
     return rollout, prompts, tokenizer
@@ -105,11 +106,11 @@ def _expected_ids(rollout, i: int, j: int) -> list[int]:
 
 
 def test_served_answers_are_the_evaluated_ones_at_every_budget(exported_run):
-    from anytime.rollout.protocol import AnswerProtocol
+    from anytime.serving.protocol import AnswerProtocol
 
     recipe, folder = exported_run
     protocol = AnswerProtocol.read(folder)
-    assert protocol is not None and protocol.budgets == [4, 8, 16, 24] and protocol.summary_max_tokens == 8
+    assert protocol is not None and protocol.budgets == [4, 8, 16, 24] and protocol.format.summary_max_tokens == 8
     rollout, prompts, tokenizer = _evaluated(recipe, folder, n_problems=6)
     eos = tokenizer.eos_token_id
     compared = {"cut": 0, "closed by itself": 0}
@@ -137,7 +138,7 @@ def test_served_answers_are_the_evaluated_ones_at_every_budget(exported_run):
             model="tiny", messages=[{"role": "user", "content": "Start with 3. Add 4."}], temperature=0,
             max_tokens=64, extra_body={"thinking_token_budget": protocol.request_budget(4), "skip_special_tokens": False})
         message = chat.choices[0].message
-        assert (message.content or "").startswith(protocol.header), message
+        assert (message.content or "").startswith(protocol.format.header), message
 
         # bad budgets: an HTTP 400 that names the field, and the server keeps serving
         import openai
@@ -161,7 +162,7 @@ def test_export_writes_the_protocol_the_sampling_and_a_model_card(exported_run):
     # the request to paste is one shell command whose JSON asks for the first budget
     curl = shlex.split(card.split("```bash\n")[-1].split("```")[0])
     request = json.loads(curl[curl.index("-d") + 1])
-    from anytime.rollout.protocol import AnswerProtocol
+    from anytime.serving.protocol import AnswerProtocol
 
     assert request["thinking_token_budget"] == AnswerProtocol.read(folder).request_budget(protocol["budgets"][0])
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from anytime.batch.anytime_rollout import AnytimeRollout, padded
-from anytime.batch.packing import build_train_batch, segment_index
+from anytime.trainer.experience import segment_index
+from tests.helpers import train_rows
 from anytime.batch.train_batch import TrainBatch
 from anytime.reward.verifier import REASONS
 
@@ -42,7 +43,7 @@ def test_build_train_batch_masks_and_advantages():
     rollout = _rollout()
     t_adv = torch.tensor([[[0.5, -0.25]]], dtype=torch.float64)
     s_adv = torch.tensor([[[[1.0, -1.0], [0.0, 0.0]]]], dtype=torch.float64)
-    batch = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=4, pad_id=0)
+    batch = train_rows(rollout, t_adv, s_adv, summary_max_tokens=4, pad_id=0)
     assert len(batch) == 3  # thinking + the two budget-2 summaries; zero-advantage summaries dropped
     assert batch.lengths.tolist() == [8, 10, 10]
     think = batch.input_ids[0, :8].tolist()
@@ -60,7 +61,7 @@ def test_build_train_batch_masks_and_advantages():
     assert batch.tokens_per_prompt.tolist() == [5 + 2 * 2 + 2 * 1]  # counted before dropping
     assert batch.max_len == 6 + 2 * 2 * (3 + 4)
     assert batch.prompt_index.tolist() == [0, 0, 0]
-    full = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=4, drop_zero_rows=False)
+    full = train_rows(rollout, t_adv, s_adv, summary_max_tokens=4, drop_zero_rows=False)
     assert len(full) == 5
     natural = full.input_ids[3, : full.lengths[3]].tolist()
     assert natural == [1, 2, 3, 10, 11, 12, 13, 14, 92, 52]  # own </think> kept, header only
@@ -122,14 +123,14 @@ def test_tensor_round_trip():
 
 def test_advantages_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match=r"thinking advantages must be \[B, G, S\] = \(1, 1, 2\)"):
-        build_train_batch(_rollout(), torch.zeros(1, 1, 1), torch.zeros(1, 1, 2, 2), summary_max_tokens=4)
+        train_rows(_rollout(), torch.zeros(1, 1, 1), torch.zeros(1, 1, 2, 2), summary_max_tokens=4)
 
 
 def test_packed_row_holds_the_trace_and_its_summaries_as_branches():
     rollout = _rollout()
     t_adv = torch.tensor([[[0.5, -0.25]]], dtype=torch.float64)
     s_adv = torch.tensor([[[[1.0, -1.0], [0.0, 2.0]]]], dtype=torch.float64)
-    batch = build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=4, pack=True)
+    batch = train_rows(rollout, t_adv, s_adv, summary_max_tokens=4, pack=True)
     assert len(batch) == 1 and batch.sequences.tolist() == [4]  # thinking + 3 summaries (one had advantage 0)
     ids = batch.input_ids[0].tolist()
     #      prompt    thinking (own </think>)  cut 2: close+header+summary ×2         past the end: header + summary
@@ -149,9 +150,9 @@ def test_packed_row_holds_the_trace_and_its_summaries_as_branches():
     again = TrainBatch.from_tensors(grown.to_tensors())
     assert torch.equal(again.skip_start, grown.skip_start) and torch.equal(again.position_ids, grown.position_ids)
     # zero thinking advantages: an untrained trunk, cut to the longest cut a trained summary needs
-    short = build_train_batch(rollout, torch.zeros(1, 1, 2), s_adv.clone().index_fill_(2, torch.tensor([1]), 0.0),
+    short = train_rows(rollout, torch.zeros(1, 1, 2), s_adv.clone().index_fill_(2, torch.tensor([1]), 0.0),
                               summary_max_tokens=4, pack=True)
     assert short.input_ids[0].tolist() == [1, 2, 3, 10, 11, 90, 91, 92, 50, 51, 90, 91, 92, 50, 51]
     assert not short.thinking_mask.any() and short.sequences.tolist() == [2]
-    assert len(build_train_batch(rollout, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, 2), summary_max_tokens=4,
+    assert len(train_rows(rollout, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, 2), summary_max_tokens=4,
                                  pack=True)) == 0

@@ -5,9 +5,10 @@ have shape [B, G, S, A]."""
 import pytest
 from transformers import AutoTokenizer
 
+from anytime.config.answer_format import AnswerFormat
 from anytime.data.prompts import render_prompt
 from anytime.reward.verifier import RewardScorer
-from anytime.rollout.engine import Completion, RolloutEngine, create_engine
+from anytime.rollout.engines.engine import Completion, RolloutEngine, create_engine
 from anytime.rollout.runner import AnytimeRolloutRunner
 from anytime.rollout.settings import AnytimeSettings
 
@@ -47,16 +48,16 @@ def setup(tiny_model_dir):
 
 def test_summary_prompts_token_for_token(setup):
     tok, engine, scorer = setup
-    settings = AnytimeSettings((8, 16, 24), traces_per_prompt=2, summaries_per_budget=3, summary_max_tokens=6,
-                               temperature=1.0, seed=3)
+    settings = AnytimeSettings((8, 16, 24), traces_per_prompt=2, summaries_per_budget=3,
+                               format=AnswerFormat(summary_max_tokens=6), temperature=1.0, seed=3)
     runner = AnytimeRolloutRunner(engine, tok, scorer, settings)
     prompts = [render_prompt(tok, "Start with 1. Add 2, add 3. What is the last digit of the result?"),
                render_prompt(tok, "Start with 4. Add 5. What is the last digit of the result?")]
     out = runner.run(prompts, ["6", "9"])
     assert out.scores.shape == (2, 2, 3, 3)
     assert out.prefix_group.shape == (2, 2, 3)
-    close = tok(settings.close_text, add_special_tokens=False)["input_ids"]
-    header = tok(settings.header, add_special_tokens=False)["input_ids"]
+    close = tok(settings.format.close_text, add_special_tokens=False)["input_ids"]
+    header = tok(settings.format.header, add_special_tokens=False)["input_ids"]
     k = 0
     for b, prompt in enumerate(prompts):
         assert out.prompt_ids[b, : out.prompt_len[b]].tolist() == prompt
@@ -85,7 +86,8 @@ def test_summary_prompts_token_for_token(setup):
 
 def test_traces_that_end_early_share_one_summary_prompt(setup):
     tok, engine, scorer = setup
-    runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 8, 12, 16), 1, 2, 4))
+    settings = AnytimeSettings((4, 8, 12, 16), 1, 2, AnswerFormat(summary_max_tokens=4))
+    runner = AnytimeRolloutRunner(engine, tok, scorer, settings)
     branches, groups = runner.summary_plan(6, True, False, [4, 8, 12, 16])  # 6 tokens, the last </think>
     assert groups == [0, 1, 1, 1]
     assert branches[0].cut == 4 and list(branches[0].suffix) == runner.close_ids + runner.header_ids
@@ -98,17 +100,20 @@ def test_traces_that_end_early_share_one_summary_prompt(setup):
 
 def test_budget_past_the_engine_length_fails_before_generation(setup):
     tok, engine, scorer = setup
+    eight = AnswerFormat(summary_max_tokens=8)
     with pytest.raises(ValueError, match="max model length 256"):
-        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((100, 250), 1, 1, 8))
+        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((100, 250), 1, 1, eight))
     with pytest.raises(ValueError, match="strictly increasing"):
-        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((16, 8), 1, 1, 8))
+        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((16, 8), 1, 1, eight))
+    thought = AnswerFormat(think_end="</thought>", close_text="...\n\n...\n\n</thought>", summary_max_tokens=8)
     with pytest.raises(ValueError, match="must be one token"):
-        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((8,), 1, 1, 8, think_end="</thought>"))
+        AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((8,), 1, 1, thought))
 
 
 def test_summary_text_is_scored_for_natural_and_forced_ends(setup):
     tok, engine, scorer = setup
-    runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 16), 1, 1, 8))
+    runner = AnytimeRolloutRunner(engine, tok, scorer, AnytimeSettings((4, 16), 1, 1,
+                                                                       AnswerFormat(summary_max_tokens=8)))
     answer = tok("\\boxed{7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     length = len(tok("1: 3+4=7\n", add_special_tokens=False)["input_ids"]) + 1  # + its own </think>
     branches, _ = runner.summary_plan(length, True, False, [4, 16])
@@ -145,8 +150,9 @@ def test_an_instruct_models_eos_ends_its_thinking_only_when_asked(setup, eos_end
     trace = [*words, tok.eos_token_id]                    # stops on EOS after 3 tokens
     summary = tok("7}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     scripted = ScriptedEngine(engine, trace, summary)
-    settings = AnytimeSettings((2, 8, 16), 1, 1, 6, header="\n\n**Final Answer**\n\\boxed{",
-                               eos_ends_thinking=eos_ends_thinking)
+    boxed = AnswerFormat(header="\n\n**Final Answer**\n\\boxed{", summary_max_tokens=6,
+                         eos_ends_thinking=eos_ends_thinking)
+    settings = AnytimeSettings((2, 8, 16), 1, 1, boxed)
     runner = AnytimeRolloutRunner(scripted, tok, scorer, settings)
     prompt = render_prompt(tok, "What is 3 + 4?")
     out = runner.run([prompt], ["7"])

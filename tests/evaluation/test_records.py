@@ -8,6 +8,7 @@ from functools import partial
 import pytest
 
 from anytime.data.benchmarks import task_split
+from anytime.errors import RecipeError
 from anytime.evaluation.evaluate import table_budgets
 from anytime.evaluation.options import EvalOptions, add_option_arguments, recipe_options, resolve_options
 from anytime.evaluation.records import aggregate, cap_records, read_samples, rescore_records, write_samples
@@ -132,8 +133,11 @@ def test_recipe_supplies_the_in_training_eval_settings(tmp_path):
     assert opts.summaries == 1  # the in-training eval samples one summary per budget, not summary.n
     assert recipe_options(load_recipe(None))["budgets"] == (2000, 4000, 6000, 8000)
     assert resolve_options(_args()) == EvalOptions()
-    with pytest.raises(ValueError, match="--close-text .* must contain --think-end '</reasoning>'"):
+    # one message for a recipe and a flag (`AnswerFormat`): the close text must end with the end marker
+    with pytest.raises(RecipeError, match="`summary.close_text` .* must end with `summary.think_end` '</reasoning>'"):
         resolve_options(_args("--think-end", "</reasoning>"))
+    with pytest.raises(RecipeError, match=r"`summary.close_text` '</think>\\n\\n' must end with"):
+        resolve_options(_args("--close-text", "</think>\n\n"))
 
 
 @pytest.mark.unit

@@ -8,7 +8,7 @@ from anytime.config import Recipe, RecipeError, load_recipe, parse_override, rec
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))
 
 
@@ -53,44 +53,6 @@ def test_base_inheritance(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(RecipeError, match="loops"):
         load_recipe(tmp_path / "loop.yaml")
-
-
-BAD = [
-    ({"rollout": {"nn": 4}}, r"unknown recipe key `rollout.nn`; did you mean `rollout.n`"),
-    ({"rollot": {"n": 4}}, r"unknown recipe key `rollot`; did you mean `rollout`"),
-    ({"budget": {"prior": "linar"}}, r"`budget.prior` must be one of .*did you mean 'linear'"),
-    ({"rollout": {"n": "eight"}}, r"`rollout.n` must be an integer, got 'eight'"),
-    ({"rollout": {"n": 0}}, r"`rollout.n` must be a positive integer, got 0"),
-    ({"summary": {"n": -1}}, r"`summary.n` must be a positive integer"),
-    ({"summary": {"max_tokens": 0}}, r"`summary.max_tokens` must be a positive integer"),
-    ({"budget": {"budgets": [4000, 2000]}}, r"`budget.budgets` must be strictly increasing"),
-    ({"budget": {"budgets": [2000, 2000]}}, r"`budget.budgets` must be strictly increasing"),
-    ({"budget": {"budgets": [2000, 9000]}}, r"`budget.budgets` ends at 9000, above `budget.max_thinking` = 8000"),
-    ({"budget": {"prior": "explicit", "probs": [0.5, 0.6, 0.0, 0.0]}}, r"`budget.probs` must sum to 1"),
-    ({"budget": {"prior": "explicit", "probs": [1.5, -0.5, 0.0, 0.0]}}, r"`budget.probs` must be non-negative"),
-    ({"budget": {"prior": "explicit", "probs": [0.5, 0.5]}}, r"`budget.probs` has 2 entries but there are 4 budgets"),
-    ({"budget": {"prior": "explicit"}}, r"needs `budget.probs`"),
-    ({"budget": {"probs": [0.25, 0.25, 0.25, 0.25]}}, r"only used with `budget.prior: explicit`"),
-    ({"budget": {"max_thinking": 0}}, r"`budget.max_thinking` must be positive"),
-    ({"learner": {"lr": -1}}, r"`learner.lr` must be > 0"),
-    ({"learner": {"zero_stage": 4}}, r"`learner.zero_stage` must be 0, 1, 2 or 3"),
-    ({"learner": {"backend": "jax"}}, r"`learner.backend` must be one of 'torch', 'deepspeed'"),
-    ({"algorithm": {"estimator": "ppo"}}, r"`algorithm.estimator` must be one of"),
-    ({"algorithm": {"kl_coef": 0.1}}, r"needs `learner.reference_model: true`"),
-    ({"rollout": {"temperature": 0}}, r"`rollout.temperature` must be > 0"),
-    ({"rollout": {"max_model_len": 4096}}, r"`rollout.max_model_len` \(4096\) is below max_prompt_len \+ max_thinking"),
-    ({"summary": {"close_text": "..."}}, r"`summary.close_text` .* must contain `summary.think_end`"),
-    ({"eval": {"budgets": [1000, 12000]}}, r"`eval.budgets` ends at 12000"),
-    ({"learner": {"pipeline": {"stages": 4, "microbatches": 2}}}, r"microbatches` \(2\) must be >= stages \(4\)"),
-    ({"model": ["x"]}, r"`model` must be a mapping"),
-    ({"learner": {"betas": [0.9]}}, r"`learner.betas` must be two numbers"),
-]
-
-
-@pytest.mark.parametrize("data,message", BAD, ids=[m[:40] for _, m in BAD])
-def test_bad_recipes_get_specific_messages(data, message):
-    with pytest.raises(RecipeError, match=message):
-        recipe_from_dict(data)
 
 
 def test_cli_prints_errors_without_traceback(tmp_path, capsys):

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from anytime.cli import main
-from anytime.learner.export import export_checkpoint, learner_state_dict
+from anytime.serving.export import export_checkpoint, learner_state_dict
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from anytime.config import Recipe, schema_keys
-from anytime.core.schema import field_at, field_choices, field_default
+from anytime.config.schema import field_at, field_choices, field_default
 from anytime.evaluation.options import EvalOptions, _frozen, add_option_arguments, resolve_options
 
 pytestmark = pytest.mark.unit
@@ -97,3 +97,29 @@ def test_a_recipes_synthetic_sizes_reach_the_eval(tmp_path):
         field_default(field_at(Recipe, "data.synthetic_max_ops")[0]))
     rows = load_benchmark("synthetic", limit=20, synthetic_ops=(opts.synthetic_min_ops, opts.synthetic_max_ops))
     assert max(row.problem.count("+") for row in rows) <= 2
+
+
+def test_the_eval_engine_never_sleeps_and_takes_the_gpu_memory_share_asked_for(monkeypatch):
+    """Round 6, finding 7: `anytime eval` started vLLM with sleep mode (and its allocator) on a GPU for an
+    engine that never sleeps, at a fixed 0.5 of the GPU. Its engine gets the share the flag (or the
+    recipe's rollout.gpu_memory_utilization) asks for and no sleep mode; an hf engine gets neither."""
+    import anytime.rollout.engines.engine as engines
+    from anytime.evaluation.evaluate import _evaluate_model
+
+    opts = resolve_options(_args("--engine", "vllm", "--gpu-memory-utilization", "0.85"))
+    assert opts.engine_kwargs() == {"gpu_memory_utilization": 0.85, "enable_sleep_mode": False}
+    assert resolve_options(_args("--engine", "hf")).engine_kwargs() == {}
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def create_engine(kind, folder, **kwargs):
+        seen.update(kind=kind, **kwargs)
+        raise Started
+
+    monkeypatch.setattr(engines, "create_engine", create_engine)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)
+    with pytest.raises(Started):
+        _evaluate_model("m", "folder", 64, opts, {}, None, argparse.Namespace(batch_prompts=1), print, None)
+    assert seen["kind"] == "vllm" and seen["gpu_memory_utilization"] == 0.85 and seen["enable_sleep_mode"] is False

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from anytime.config import load_recipe
-from tests.helpers import QUICKSTART, kill_and_clean, read_metrics, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, placed, read_metrics, tiny_overrides
 
 SMALL = ["rollout.n=2", "summary.n=1", "budget.budgets=[8,16]", "budget.max_thinking=16"]
 
@@ -41,7 +41,7 @@ def weight_files() -> list[str]:
 
 @pytest.mark.e2e
 def test_worker_processes_sample_what_the_in_process_worker_samples(tmp_path):
-    from tests.rollout.test_rollout_workers import assert_same_run, assert_weights_reached_the_workers
+    from tests.rollout.test_local import assert_same_run, assert_weights_reached_the_workers
 
     before = set(weight_files())
     local = train(tmp_path / "local" / "run", "rollout.placement=inprocess")
@@ -52,7 +52,7 @@ def test_worker_processes_sample_what_the_in_process_worker_samples(tmp_path):
     locked_local = train(tmp_path / "locked_local" / "run", "rollout.placement=inprocess", "rollout.max_staleness=1")
     locked = train(tmp_path / "locked" / "run", "rollout.placement=processes", "rollout.max_staleness=1")
     assert_same_run(locked_local, locked)
-    assert [locked[t]["rollout/version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
+    assert [locked[t]["rollout/token_version_lag"] for t in (1, 2, 3)] == [0, 1, 1]
     assert set(weight_files()) == before
 
 
@@ -61,8 +61,8 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
     from transformers import AutoTokenizer
 
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.placement import RolloutWorkerError
-    from anytime.rollout.processes import ProcessRollouts
+    from anytime.rollout.workers.placement import RolloutWorkerError
+    from anytime.rollout.workers.processes import ProcessRollouts
 
     class OneRank:
         dp_size, dp_ranks = 1, [0]
@@ -71,7 +71,7 @@ def test_a_killed_worker_process_fails_the_step_by_name_and_leaves_nothing(tiny_
                                       *SMALL])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    rollouts = ProcessRollouts(recipe, tiny_model_dir, tok, OneRank())
+    rollouts = placed(recipe, ProcessRollouts, tiny_model_dir, tok, OneRank())
     pids = [w.pid for w in rollouts.workers]
     prompts = [render_prompt(tok, f"Start with {k}. Step 1: add 2. What is the last digit of the result?")
                for k in range(2)]

@@ -192,7 +192,7 @@ def main() -> int:
         locked = measured["locked_k1_split"]
         print(f"locked_k1_learner_wait_s: {mean(locked, 'time/learner_wait'):.4f}")
         print(f"locked_k1_rollout_wait_s: {mean(locked, 'time/rollout_wait'):.4f}")
-        print(f"locked_k1_version_lag: {mean(locked, 'rollout/version_lag'):.2f}")
+        print(f"locked_k1_version_lag: {mean(locked, 'rollout/token_version_lag'):.2f}")
         inflight = measured["inflight_k2_split"]
         for key in ("rollout/token_version_lag", "rollout/token_version_lag_max", "rollout/mixed_version_traces",
                     "rollout/weight_swaps", "time/weight_swap"):

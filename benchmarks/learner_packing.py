@@ -118,12 +118,14 @@ def synthetic_rollout(s: Setting, prompts: int, traces: int, seed: int = 0):
 def train_batch(s: Setting, prompts: int, traces: int, pack: bool):
     from anytime.algo.advantages import summary_advantages_by_name, thinking_advantages
     from anytime.batch.packing import build_train_batch
+    from anytime.trainer.experience import loss_width, token_advantages
 
     rollout = synthetic_rollout(s, prompts, traces)
     probs = [1.0 / len(s.budgets)] * len(s.budgets)
     t_adv = thinking_advantages("brpo", rollout.budget_scores.double(), probs, decay=0.5, variant="brpo")
     s_adv = summary_advantages_by_name("brpo", rollout.scores.double(), rollout.prefix_group)
-    return build_train_batch(rollout, t_adv, s_adv, summary_max_tokens=s.summary_tokens, pack=pack)
+    tokens, summaries = token_advantages(rollout, t_adv, s_adv)
+    return build_train_batch(rollout, tokens, summaries, max_len=loss_width(rollout, s.summary_tokens), pack=pack)
 
 
 def _peak_kb() -> int:

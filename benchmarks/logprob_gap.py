@@ -58,7 +58,7 @@ def main() -> int:
     from anytime.algo.logprobs import SamplingProcessing
     from anytime.config import load_recipe
     from anytime.data.prompts import render_prompt
-    from anytime.rollout.engine import SamplingConfig, create_engine
+    from anytime.rollout.engines.engine import SamplingConfig, create_engine
 
     recipe = load_recipe(args.recipe)
     model_dir = args.model or str(REPO / recipe.model.path)

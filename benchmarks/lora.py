@@ -61,7 +61,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     from anytime.config import LearnerConfig, LoRAConfig
     from anytime.learner.data_parallel import TorchLearner
     from anytime.learner.lora import adapter_bytes, apply_lora
-    from anytime.rollout.hf import HFEngine
+    from anytime.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(args.threads)
     lora = LoRAConfig(rank=args.rank, alpha=2.0 * args.rank) if args.mode == "lora" else LoRAConfig()

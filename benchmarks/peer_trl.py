@@ -148,6 +148,8 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.times.append(time.perf_counter() - self.start)
 
+    from anytime.core.precision import bf16_enabled, native_bf16
+
     learner, timer = recipe.learner, StepTimes()
     n = recipe.rollout.n
     config = GRPOConfig(
@@ -160,7 +162,8 @@ def run_trl(sft_path: str, args: argparse.Namespace) -> dict[str, float]:
         beta=0.0, epsilon=recipe.algorithm.clip_low, epsilon_high=recipe.algorithm.clip_high,
         loss_type="dapo",  # token-mean over the batch, as recipe algorithm.loss_agg=token-mean
         scale_rewards="group", use_vllm=False, logging_steps=1, save_strategy="no", report_to="none",
-        bf16=learner.bf16, dataloader_num_workers=0, disable_tqdm=True,
+        bf16=bf16_enabled(learner.bf16, native_bf16("cpu")),   # our learner's resolution of `auto`
+        dataloader_num_workers=0, disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32)
     if learner.trainable_layers:
@@ -186,14 +189,15 @@ def evaluate(model_path: str, args: argparse.Namespace) -> float:
     from transformers import AutoTokenizer
 
     from anytime.config import load_recipe
+    from anytime.config.placement_plan import placement_plan
     from anytime.evaluation.in_training import evaluate_on_worker
-    from anytime.rollout.worker import RolloutWorker
+    from anytime.rollout.workers.worker import RolloutWorker
 
     recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false"])
     recipe = load_recipe(args.recipe, [f"trainer.seed={args.seed}", f"model.path={model_path}", "model.tiny=false",
                                        eval_budgets(recipe)])
     tok = AutoTokenizer.from_pretrained(model_path)
-    worker = RolloutWorker(recipe, model_path, tok)
+    worker = RolloutWorker(recipe, placement_plan(recipe), model_path, tok)
     try:
         return worker.apply(evaluate_on_worker)[0]["eval/anytime"]
     finally:

@@ -20,15 +20,26 @@ For each of ours / plain, over every trainable element, with Δ = weights after 
 Prints `name: value` lines: bf16_update_kept (ours) and plain_bf16_adamw_update_kept (plain) first.
 Gradient clipping is off so the reference takes the learner's gradient as it is.
 
+Then what bf16 costs on this CPU (what `learner.bf16: auto` decides by, `anytime.core.precision`): one
+M x K @ K x N matmul (`--gemm`, SmolLM2-135M's MLP shape by default), the median of `--repeats` runs:
+
+  cpu_capability, cpu_native_bf16      torch's CPU capability string; 1 if oneDNN runs bf16 matmuls here
+  gemm_fp32_ms, gemm_bf16_ms           float32 and bf16 tensors
+  gemm_bf16_over_fp32                  their ratio (below 1: bf16 pays here)
+  gemm_bf16_reference_ms               bf16 with oneDNN switched off: torch's reference GEMM, the one a CPU
+  gemm_bf16_reference_over_fp32        without native bf16 (AVX2 only) runs; ~34x float32 on an AVX2 EPYC
+
 Usage: python benchmarks/precision.py [--hidden 256] [--layers 4] [--vocab 2048] [--rows 4] [--tokens 64]
-                                      [--lr 1e-6] [--seed 0]
+                                      [--lr 1e-6] [--seed 0] [--gemm 1024x576x1536] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -79,6 +90,40 @@ def report(name: str, before: dict[str, torch.Tensor], after: dict[str, torch.Te
     print(f"{name}_elements_moved: {float((real[pushed] != 0).float().mean()):.4f}")
 
 
+def matmul_ms(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    """Median wall milliseconds of `a @ b` after one untimed run."""
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def report_gemm(shape: str, repeats: int, seed: int) -> None:
+    from anytime.core.precision import cpu_capability, cpu_native_bf16
+
+    m, k, n = (int(x) for x in shape.split("x"))
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    fp32 = matmul_ms(a, b, repeats)
+    bf16 = matmul_ms(a.bfloat16(), b.bfloat16(), repeats)
+    print(f"cpu_capability: {cpu_capability()}")
+    print(f"cpu_native_bf16: {int(cpu_native_bf16())}")
+    print(f"gemm_fp32_ms: {fp32:.2f}")
+    print(f"gemm_bf16_ms: {bf16:.2f}")
+    print(f"gemm_bf16_over_fp32: {bf16 / fp32:.2f}")
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False   # the matmul dispatch's oneDNN check fails, as on an AVX2-only CPU
+    try:
+        reference = matmul_ms(a.bfloat16(), b.bfloat16(), 1)   # seconds a run there: one is enough
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+    print(f"gemm_bf16_reference_ms: {reference:.2f}")
+    print(f"gemm_bf16_reference_over_fp32: {reference / fp32:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -88,6 +133,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gemm", default="1024x576x1536", help="MxKxN of the timed matmul")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each matmul (the median is printed)")
     args = parser.parse_args()
     from anytime.algo.loss import LossSpec
     from anytime.config import LearnerConfig
@@ -107,6 +154,7 @@ def main() -> int:
     print(f"parameters: {sum(w.numel() for w in start.values())}")
     report("bf16", start, ours, intended)
     report("plain_bf16_adamw", start, plain, intended)
+    report_gemm(args.gemm, args.repeats, args.seed)
     return 0
 
 

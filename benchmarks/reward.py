@@ -242,8 +242,9 @@ def regenerate_sample(path: Path) -> None:
     from anytime.config import load_recipe
     from anytime.data.prompts import encode_prompts
     from anytime.data.sources import load_train_rows
-    from anytime.rollout.engine import create_engine
+    from anytime.rollout.engines.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
+    from anytime.config.answer_format import AnswerFormat
     from anytime.rollout.settings import AnytimeSettings
     from anytime.trainer.launch import prepare_model
 
@@ -256,8 +257,7 @@ def regenerate_sample(path: Path) -> None:
         prompts = encode_prompts(tok, rows, r.data.instruction, r.data.max_prompt_len)
         max_len = r.data.max_prompt_len + r.budget.max_thinking + r.summary.max_tokens + 64
         settings = AnytimeSettings(
-            tuple(r.budget.grid()), r.rollout.n, r.summary.n, summary_max_tokens=r.summary.max_tokens,
-            close_text=r.summary.close_text, header=r.summary.header, think_end=r.summary.think_end,
+            tuple(r.budget.grid()), r.rollout.n, r.summary.n, AnswerFormat.from_recipe(r),
             temperature=r.rollout.temperature, top_p=r.rollout.top_p,
             summary_temperature=r.summary.temperature, seed=r.trainer.seed)
         with create_engine("hf", model, max_model_len=max_len, max_prompt_len=r.data.max_prompt_len,

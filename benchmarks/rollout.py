@@ -58,7 +58,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout to `name: value` lines
 
 from anytime.models.tiny import build_tiny_model  # noqa: E402
-from anytime.rollout.engine import Branch, SamplingConfig, create_engine  # noqa: E402
+from anytime.rollout.engines.engine import Branch, SamplingConfig, create_engine  # noqa: E402
 
 
 def _corpus() -> list[str]:
@@ -136,14 +136,15 @@ def _run_natural(model_dir: str, args, frontend: str) -> dict[str, float]:
 
     from anytime.data.prompts import render_prompt
     from anytime.reward.verifier import RewardScorer
-    from anytime.rollout.runner import AnytimeRolloutRunner, token_id_of
+    from anytime.config.answer_format import AnswerFormat
+    from anytime.rollout.runner import AnytimeRolloutRunner
     from anytime.rollout.settings import AnytimeSettings
 
     from natural_lengths import NaturalLengths, natural_lengths_config   # beside this script
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     budgets = tuple(int(b) for b in args.budgets.split(","))
-    think_end = token_id_of(tok, "</think>")
+    think_end = AnswerFormat().think_end_id(tok)
     lengths_config = natural_lengths_config(think_end, (think_end, tok.eos_token_id), budgets[-1],
                                             args.length_median * budgets[-1], args.length_sigma)
     prompts = [render_prompt(tok, f"Start with {i}. Add {17 * i + 3}. What is the last digit?")
@@ -157,7 +158,7 @@ def _run_natural(model_dir: str, args, frontend: str) -> dict[str, float]:
                        kv_cache_gb=args.kv_cache_gb, logits_processors=[NaturalLengths],
                        additional_config=lengths_config) as eng, RewardScorer(num_workers=1) as scorer:
         runner = AnytimeRolloutRunner(eng, tok, scorer, AnytimeSettings(
-            budgets, args.traces, args.summaries, summary_max_tokens=args.summary_tokens))
+            budgets, args.traces, args.summaries, AnswerFormat(summary_max_tokens=args.summary_tokens)))
         eng.stream_summaries = True
         runner.run(prompts[:2], golds[:2], seed=10_000)  # warm-up
         for rep in range(args.repeats):

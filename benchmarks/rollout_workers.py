@@ -61,7 +61,9 @@ class _DataParallel:
 def _colocated_rank(rank: int, world: int, init: str, args: argparse.Namespace, model: str, out: str) -> None:
     from transformers import AutoTokenizer
 
-    from anytime.rollout.placement import create_rollouts, pin_cpus
+    from anytime.config.placement_plan import placement_plan
+    from anytime.rollout.workers.devices import pin_cpus
+    from anytime.rollout.workers.placement import create_rollouts
 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if world == 1:
@@ -69,7 +71,8 @@ def _colocated_rank(rank: int, world: int, init: str, args: argparse.Namespace, 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         recipe = _recipe(args, model, "colocated" if world > 1 else "inprocess", 1)
-        rollouts = create_rollouts(recipe, model, AutoTokenizer.from_pretrained(model), _DataParallel(world))
+        rollouts = create_rollouts(recipe, placement_plan(recipe, world=world), model,
+                                   AutoTokenizer.from_pretrained(model), _DataParallel(world))
         prompts, golds = _prompts(model, args.prompts)
         rate = _rate(rollouts, prompts, golds, args.rounds)
         rollouts.close()
@@ -88,7 +91,7 @@ def _rate(rollouts, prompts, golds, rounds: int) -> float:
     for step in range(1, rounds + 1):
         start = time.perf_counter()
         shares = rollouts.collect(rollouts.submit(prompts, golds, step))
-        tokens += sum_across_ranks([sum(s.sums["tokens"] for s in shares)])[0]   # waits for every rank's workers
+        tokens += sum_across_ranks([sum(s.sums.tokens for s in shares)])[0]   # waits for every rank's workers
         seconds += time.perf_counter() - start
     return tokens / seconds
 
@@ -106,9 +109,11 @@ def colocated(args: argparse.Namespace, model: str, workers: int, tmp: str) -> f
 def ray(args: argparse.Namespace, model: str, workers: int) -> float:
     from transformers import AutoTokenizer
 
-    from anytime.rollout.ray_workers import RayRollouts
+    from anytime.config.placement_plan import placement_plan
+    from anytime.rollout.workers.ray_workers import RayRollouts
 
-    rollouts = RayRollouts(_recipe(args, model, "ray", workers), model, AutoTokenizer.from_pretrained(model),
+    recipe = _recipe(args, model, "ray", workers)
+    rollouts = RayRollouts(recipe, placement_plan(recipe), model, AutoTokenizer.from_pretrained(model),
                            _DataParallel(1))
     try:
         prompts, golds = _prompts(model, args.prompts)

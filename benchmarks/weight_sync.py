@@ -1,7 +1,8 @@
 """Weight-sync benchmark: learner weights into a vLLM engine, in-process vs in its own process.
 
 A lone learner keeps the engine in its process (weights handed over by reference); a multi-process
-learner runs it in a process of its own and ships the weights through a safetensors file in RAM.
+learner runs it in a process of its own and ships the weights through vLLM's weight transfer (on the
+CPU the twin of its CUDA IPC backend: a shared-memory file the engine's worker maps).
 This script times ``update_weights`` (including the prefix-cache reset) in both layouts on one model.
 
 Prints ``name: value`` lines:
@@ -29,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout to `name: value` lines
 
 from anytime.models.tiny import build_tiny_model  # noqa: E402
-from anytime.rollout.engine import create_engine  # noqa: E402
+from anytime.rollout.engines.engine import create_engine  # noqa: E402
 
 
 def _time_updates(model_dir: str, own_process: bool, state: list[tuple[str, torch.Tensor]], repeats: int) -> float:

@@ -66,10 +66,11 @@ def main() -> int:
     parser.add_argument("--ablation", type=Path, default=None, help="an eval/ablation.py results.json to set against it")
     args = parser.parse_args()
     from anytime.config import load_recipe
+    from anytime.config.answer_format import eval_budgets
     from anytime.data.benchmarks import load_benchmark
 
     recipe = load_recipe(args.recipe)
-    budgets = list(recipe.eval.budgets or recipe.budget.grid())
+    budgets = eval_budgets(recipe)
     ops = (recipe.data.synthetic_min_ops, recipe.data.synthetic_max_ops)
     ablation = json.loads(args.ablation.read_text()) if args.ablation else None
     tokenizer = quickstart_tokenizer()

@@ -59,7 +59,7 @@ def run_eval(args: argparse.Namespace, out: Path) -> list[dict]:
 def server(model: str, max_model_len: int, log_path: Path):
     import openai
 
-    from anytime.rollout.vllm.serve import running_server
+    from anytime.serving.serve import running_server
 
     flags = ["--max-model-len", str(max_model_len), "--served-model-name", "model"]
     if not _has_cuda():
@@ -81,14 +81,14 @@ def served_scores(args: argparse.Namespace, records: list[dict], out: Path) -> d
     from anytime.config import load_recipe
     from anytime.data.prompts import render_prompt
     from anytime.reward.verifier import RewardScorer
-    from anytime.rollout.protocol import AnswerProtocol
+    from anytime.serving.protocol import AnswerProtocol
 
     protocol = AnswerProtocol.read(args.model)
     if protocol is None:
         raise SystemExit(f"{args.model} holds no anytime_protocol.json: export it with `anytime export`")
     recipe = load_recipe(args.recipe)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    budgets = protocol.budgets
+    budgets, answer_format = protocol.budgets, protocol.format
     jobs = [(i, b) for i in range(len(records)) for b in budgets]
     prompts = [render_prompt(tokenizer, r["problem"], recipe.data.instruction) for r in records]
     with server(args.model, args.max_model_len, out / "serve.log") as client:
@@ -96,10 +96,10 @@ def served_scores(args: argparse.Namespace, records: list[dict], out: Path) -> d
             i, b = job
             reply = client.completions.create(
                 model="model", prompt=prompts[i], temperature=protocol.temperature, top_p=protocol.top_p,
-                max_tokens=protocol.request_budget(b) + 16 + protocol.summary_max_tokens,
+                max_tokens=protocol.request_budget(b) + 16 + answer_format.summary_max_tokens,
                 extra_body={"thinking_token_budget": protocol.request_budget(b), "skip_special_tokens": False})
             text = reply.choices[0].text
-            at = text.find(protocol.think_end)
+            at = text.find(answer_format.think_end)
             return text[at:] if at >= 0 else ""   # no end marker: the trace stopped on EOS (scored 0)
 
         start = time.perf_counter()
@@ -107,7 +107,7 @@ def served_scores(args: argparse.Namespace, records: list[dict], out: Path) -> d
             texts = list(pool.map(ask, jobs))
         print(f"served_requests: {len(jobs)}")
         print(f"served_seconds: {time.perf_counter() - start:.1f}")
-    with RewardScorer(header=protocol.header.strip(), think_end=protocol.think_end) as scorer:
+    with RewardScorer(header=answer_format.verifier_header, think_end=answer_format.think_end) as scorer:
         verdicts = scorer.score([t for t in texts], [records[i]["gold"] for i, _ in jobs])
     scores: dict[int, list[float]] = {b: [] for b in budgets}
     for (i, b), text, verdict in zip(jobs, texts, verdicts):

@@ -66,8 +66,9 @@ def main() -> None:
     from anytime.data.task_splits import heldout_task_rows
     from anytime.evaluation.evaluate import evaluate_rows
     from anytime.reward.verifier import RewardScorer
-    from anytime.rollout.engine import create_engine
+    from anytime.rollout.engines.engine import create_engine
     from anytime.rollout.runner import AnytimeRolloutRunner
+    from anytime.config.answer_format import AnswerFormat
     from anytime.rollout.settings import AnytimeSettings
 
     budgets = tuple(int(b) for b in args.budgets.split(","))
@@ -86,9 +87,10 @@ def main() -> None:
             for key, rows in rows_of.items():
                 for temperature in temperatures:
                     traces = 1 if temperature == 0 else args.traces
-                    settings = AnytimeSettings(budgets, traces, 1, args.summary_tokens, think_end="</think>",
-                                               temperature=temperature, top_p=1.0, summary_temperature=temperature,
-                                               eos_ends_thinking=args.eos_ends_thinking, **FORMATS[fmt])
+                    answer_format = AnswerFormat(think_end="</think>", summary_max_tokens=args.summary_tokens,
+                                                 eos_ends_thinking=args.eos_ends_thinking, **FORMATS[fmt])
+                    settings = AnytimeSettings(budgets, traces, 1, answer_format, temperature=temperature, top_p=1.0,
+                                               summary_temperature=temperature)
                     runner = AnytimeRolloutRunner(engine, tokenizer, scorer, settings)
                     start = time.perf_counter()
                     records: list = []

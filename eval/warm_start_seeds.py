@@ -101,6 +101,7 @@ def seed_recipe(seed: int, work: Path, overrides: list[str]) -> Any:
 
 def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
     """Warm-start one seed (skipped when its folder already holds a finished model) and evaluate it."""
+    from anytime.config.answer_format import eval_budgets
     from anytime.trainer.launch import prepare_model
     from anytime.trainer.trainer import Trainer
 
@@ -113,7 +114,7 @@ def run_seed(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
         ev = trainer.evaluate(0)  # step 0: its per-sample records go to eval_samples/step_0.jsonl
     finally:
         trainer.close()
-    budgets = list(recipe.eval.budgets or recipe.budget.grid())  # what the rollout worker evaluates at
+    budgets = eval_budgets(recipe)  # what the rollout worker evaluates at
     loss = curve["loss"]
     return {
         "seed": seed,

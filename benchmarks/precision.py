@@ -23,7 +23,9 @@ Gradient clipping is off so the reference takes the learner's gradient as it is.
 Then what bf16 costs on this CPU (what `learner.bf16: auto` decides by, `anytime.core.precision`): one
 M x K @ K x N matmul (`--gemm`, SmolLM2-135M's MLP shape by default), the median of `--repeats` runs:
 
-  cpu_capability, cpu_native_bf16      torch's CPU capability string; 1 if oneDNN runs bf16 matmuls here
+  cpu_capability, cpu_native_bf16      torch's CPU capability string; 1 if the CPU has bf16 instructions
+  cpu_bf16_path                        native | converted (oneDNN on AVX-512 without AVX512_BF16, ~4x
+                                       float32 on a Xeon) | reference (torch's own GEMM)
   gemm_fp32_ms, gemm_bf16_ms           float32 and bf16 tensors
   gemm_bf16_over_fp32                  their ratio (below 1: bf16 pays here)
   gemm_bf16_reference_ms               bf16 with oneDNN switched off: torch's reference GEMM, the one a CPU
@@ -102,7 +104,7 @@ def matmul_ms(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
 
 
 def report_gemm(shape: str, repeats: int, seed: int) -> None:
-    from anytime.core.precision import cpu_capability, cpu_native_bf16
+    from anytime.core.precision import cpu_bf16_path, cpu_capability, cpu_native_bf16
 
     m, k, n = (int(x) for x in shape.split("x"))
     gen = torch.Generator().manual_seed(seed)
@@ -111,6 +113,7 @@ def report_gemm(shape: str, repeats: int, seed: int) -> None:
     bf16 = matmul_ms(a.bfloat16(), b.bfloat16(), repeats)
     print(f"cpu_capability: {cpu_capability()}")
     print(f"cpu_native_bf16: {int(cpu_native_bf16())}")
+    print(f"cpu_bf16_path: {cpu_bf16_path()}")
     print(f"gemm_fp32_ms: {fp32:.2f}")
     print(f"gemm_bf16_ms: {bf16:.2f}")
     print(f"gemm_bf16_over_fp32: {bf16 / fp32:.2f}")

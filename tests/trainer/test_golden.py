@@ -15,7 +15,9 @@ steps); DeepSpeed keeps float32 master weights, so its variant runs in float32 w
 tolerance. torch's own vectorised kernels still reduce in a different order on AVX-512 than on AVX2,
 even in float64, and 100 supervised steps carry that into different greedy samples: the goldens were
 recorded on AVX2, so on x86 every run here is pinned to torch's AVX2 kernels (ATEN_CPU_CAPABILITY;
-on an AVX-512 machine, unpinned, the first eval already differs). Each variant: 100 supervised steps
+on an AVX-512 machine, unpinned, the first eval already differs) and to MKL's strict AVX2 branch
+(MKL_CBWR; without it an Intel CPU's float64 GEMMs differ from an AMD one's in the last bits, and the
+first sampled RL step already differs). Each variant: 100 supervised steps
 (shared), then 5 BRPO steps and a 40-problem eval before and after.
 """
 
@@ -58,11 +60,17 @@ VARIANTS: dict[str, list[str]] = {
 TOLERANCE = {"torch": 1e-6, "pipeline": 1e-6, "deepspeed": 1e-4}
 
 
+# torch's own kernels, and MKL's GEMMs: MKL picks its code path by CPU vendor and instruction set, and
+# only its strict AVX2 branch gave the goldens on an Intel Xeon (AVX-512, 2026-12-07); its default there,
+# AVX2 without STRICT, COMPATIBLE, AVX and SSE4_2 each sampled other traces from the first RL step
+X86_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
+
+
 def pinned_env() -> dict[str, str]:
     """This process's environment with torch's kernels the goldens were recorded with (see the
     docstring); other platforms keep their own."""
     if platform.machine().lower() in ("x86_64", "amd64"):
-        return {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        return {**os.environ, **X86_PINS}
     return dict(os.environ)
 
 
@@ -135,7 +143,7 @@ def warm_model() -> Path:
         shutil.copytree(warm_start(out.parent / "work"), out)
 
     sources = (*sorted(str(p.relative_to(REPO)) for p in (REPO / "anytime").rglob("*.py")), "recipes/quickstart.yaml")
-    return cached_model("golden-warm-start", {"env": pinned_env().get("ATEN_CPU_CAPABILITY")}, build, sources)
+    return cached_model("golden-warm-start", {"env": {k: pinned_env().get(k) for k in X86_PINS}}, build, sources)
 
 
 @pytest.mark.distributed

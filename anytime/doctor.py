@@ -261,7 +261,7 @@ def _check_cuda_toolkit(torch_facts: dict[str, Any]) -> Check:
 def _check_precision(torch_facts: dict[str, Any], recipe: Recipe | None) -> Check:
     """This machine's bf16 (the CPU's capability, a native bf16 GEMM or not) and, given a recipe, what
     its precision settings become here: the run's own resolution (`anytime.core.precision`)."""
-    from anytime.core.precision import CPU_SLOWDOWN, low_precision_weights_note, resolve_bf16
+    from anytime.core.precision import low_precision_weights_note, resolve_bf16, slowdown
     from anytime.errors import RecipeError
 
     facts = precision_facts()
@@ -269,7 +269,7 @@ def _check_precision(torch_facts: dict[str, Any], recipe: Recipe | None) -> Chec
     device = "cuda" if cuda else "cpu"
     native = facts["cuda_bf16"] if cuda else facts["cpu_bf16"]
     where = "this GPU" if cuda else f"this CPU ({facts['capability']})"
-    cost = "emulated, slower than float32" if cuda else CPU_SLOWDOWN.get(facts["cpu_bf16_path"], "no slower")
+    cost = slowdown(device, facts["cpu_bf16_path"])
     yes_no = {True: "yes", False: "no"}
     seen = f"CPU {facts['capability']}, native bf16 GEMM: {yes_no[facts['cpu_bf16']]}"
     if cuda:

@@ -81,12 +81,6 @@ def device_words(device_type: str) -> str:
     return "this GPU" if device_type == "cuda" else f"this CPU ({cpu_capability()})"
 
 
-def cpu_slowdown() -> str:
-    """What bf16 costs on this CPU when it is not native here, in words (`CPU_SLOWDOWN`)."""
-    path = cpu_bf16_path()
-    return CPU_SLOWDOWN.get(path, "no slower than float32")
-
-
 # --- resolution ------------------------------------------------------------------------------------
 
 def bf16_enabled(requested: bool | str, native: bool) -> bool:
@@ -131,9 +125,12 @@ def resolve_bf16(requested: bool | str, device_type: str, native: bool, where: s
     return Bf16Choice(requested, enabled, f"learner.bf16: {str(requested).lower()} on {where}")
 
 
-def slowdown(device_type: str) -> str:
-    """What bf16 costs on `device_type` when it is not native there, in words."""
-    return cpu_slowdown() if device_type != "cuda" else "emulated, slower than float32"
+def slowdown(device_type: str, cpu_path: str | None = None) -> str:
+    """What bf16 costs on `device_type` when it is not native there, in words: on a CPU by the path torch
+    takes there (`cpu_path`, default this machine's `cpu_bf16_path()`; `CPU_SLOWDOWN`)."""
+    if device_type == "cuda":
+        return "emulated, slower than float32"
+    return CPU_SLOWDOWN.get(cpu_path or cpu_bf16_path(), "no slower than float32")
 
 
 def low_precision_weights_note(dtype: str, device_type: str, native: bool, where: str | None = None,
@@ -144,4 +141,4 @@ def low_precision_weights_note(dtype: str, device_type: str, native: bool, where
         return None
     where = where or device_words(device_type)
     return (f"`model.dtype: bfloat16` on {where}, which has no native bf16 GEMM: the learner's forward passes and "
-            f"a transformers engine's generation run bf16 matmuls {cost or cpu_slowdown()}; set model.dtype=float32")
+            f"a transformers engine's generation run bf16 matmuls {cost or slowdown(device_type)}; set model.dtype=float32")

@@ -163,14 +163,18 @@ def test_the_cpu_probe_follows_torch_s_onednn_bf16_dispatch_and_the_bf16_instruc
     monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
     if torch.backends.mkldnn.is_available():
         assert precision.cpu_bf16_path() == "converted" and precision.cpu_native_bf16() is False
-        assert "~4x slower" in precision.cpu_slowdown()
+        assert "~4x slower" in precision.slowdown("cpu")
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
         assert precision.cpu_bf16_path() == "native"
     # the matmul dispatch takes oneDNN's bf16 GEMM only with oneDNN enabled: off, bf16 runs on the reference GEMM
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     assert precision.cpu_native_bf16() is False and precision.cpu_bf16_path() == "reference"
-    assert "~34x slower" in precision.cpu_slowdown()
+    assert "~34x slower" in precision.slowdown("cpu")
     assert isinstance(precision.cpu_capability(), str) and precision.cpu_capability()
+    # the doctor names another machine's path; a GPU's cost is its emulation
+    assert "~4x slower" in precision.slowdown("cpu", "converted") and precision.slowdown("cpu", "native") == \
+        "no slower than float32"
+    assert precision.slowdown("cuda", "reference") == "emulated, slower than float32"
 
 
 @pytest.mark.unit

@@ -107,6 +107,16 @@ def kill_and_clean(pid: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def still_running_after(pids: list[int], seconds: float) -> list[int]:
+    """Those of `pids` still alive after waiting up to `seconds` for all of them to go."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if psutil.pid_exists(p)]
+
+
 def _orphaned_multiprocessing_folders(since: float) -> set[str]:
     """`pymp-*` folders made after `since` that hold sockets no live process has open."""
     import psutil

@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
-from tests.helpers import QUICKSTART, kill_and_clean, placed
+from tests.helpers import QUICKSTART, kill_and_clean, placed, still_running_after
 from tests.rollout.test_local import assert_same_run, assert_weights_reached_the_workers, needs_ray, needs_vllm, train
 
 
@@ -66,10 +65,7 @@ def test_a_killed_ray_worker_fails_the_step_by_name(tiny_model_dir, ray_address)
             rollouts.collect(rollouts.submit(prompts, ["2", "3"], 0))
     finally:
         rollouts.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert not still_running_after(pids, 30)
 
 
 ACTOR_TEMP_FOLDERS = """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -20,7 +19,7 @@ import torch
 from anytime.config import load_recipe
 from anytime.trainer.launch import launch_train
 from anytime.trainer.experience import experience
-from tests.helpers import QUICKSTART, kill_and_clean, placed, read_metrics, snapshot, tiny_overrides
+from tests.helpers import QUICKSTART, kill_and_clean, placed, read_metrics, snapshot, still_running_after, tiny_overrides
 
 LOCKED = ["rollout.max_staleness=1"]
 
@@ -164,10 +163,7 @@ def test_a_worker_killed_with_a_rollout_in_flight_fails_it_by_name(tiny_model_di
             rollouts.collect(first)
     finally:
         rollouts.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert not still_running_after(pids, 30)
 
 
 class OneRankLearner:
@@ -261,7 +257,4 @@ def test_a_restarted_worker_regenerates_its_rollouts_in_flight_exactly(tiny_mode
         rollouts.close()
     for key in unbroken[2]:
         assert torch.equal(unbroken[2][key], batch[key]), key
-    deadline = time.time() + 30
-    while time.time() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert not still_running_after(pids, 30)

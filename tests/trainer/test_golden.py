@@ -74,15 +74,20 @@ def pinned_env() -> dict[str, str]:
     return dict(os.environ)
 
 
+# The warm start: the quickstart's tiny model after 100 supervised steps, in float64
+WARM_START = ["sft.steps=100", "model.dtype=float64",
+              "data.synthetic_whole_sums=false",  # the last-digit traces the goldens were recorded with
+              "model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=1",  # and their model
+              # one thread: the suite runs two tests at a time on two cores, where two threads ran 2x slower
+              # (float64: the thread count changes sums only far below the tolerances; 1 and 2 both match)
+              "trainer.num_threads=1"]
+
+
 def warm_start(root: Path) -> Path:
-    """The quickstart's tiny model after 100 supervised steps, in float64."""
+    """The quickstart's tiny model after the `WARM_START` supervised steps."""
     out = root / "sft"
-    # the last-digit traces the goldens were recorded with (the quickstart now writes whole sums)
-    cmd = [sys.executable, "-m", "anytime.cli", "sft", QUICKSTART, "sft.steps=100", "model.dtype=float64",
-           "data.synthetic_whole_sums=false",
-           "model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=1",  # the model the goldens were recorded with
-           f"model.path={root / 'init'}", f"trainer.output_dir={out}",
-           "trainer.num_threads=2"]  # float64: the thread count changes sums only far below the tolerances
+    cmd = [sys.executable, "-m", "anytime.cli", "sft", QUICKSTART, *WARM_START,
+           f"model.path={root / 'init'}", f"trainer.output_dir={out}"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900, env=pinned_env())
     return out / "sft_model"
 
@@ -143,7 +148,8 @@ def warm_model() -> Path:
         shutil.copytree(warm_start(out.parent / "work"), out)
 
     sources = (*sorted(str(p.relative_to(REPO)) for p in (REPO / "anytime").rglob("*.py")), "recipes/quickstart.yaml")
-    return cached_model("golden-warm-start", {"env": {k: pinned_env().get(k) for k in X86_PINS}}, build, sources)
+    return cached_model("golden-warm-start", {"env": {k: pinned_env().get(k) for k in X86_PINS},
+                                              "overrides": WARM_START}, build, sources)
 
 
 @pytest.mark.distributed

@@ -285,9 +285,30 @@ def test_local_ray_cluster_without_a_free_gpu_is_refused_by_name(monkeypatch):
     from anytime.rollout.workers.ray_workers import local_ray_env
 
     _Gpus(monkeypatch, 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)   # not under torchrun: the plan's learner count
     recipe = _recipe("learner.num_processes=2", "rollout.placement=ray", "rollout.workers=1")
     with pytest.raises(ValueError, match="rollout.ray_gpus_per_worker"):
         local_ray_env(recipe, _plan(recipe))
+
+
+@pytest.mark.parametrize("torchrun_value", [None, "2"])
+def test_an_engine_started_in_this_process_leaves_the_launchers_variables_as_they_were(monkeypatch, torchrun_value):
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE (to the engine's tensor-parallel size) in the process that
+    configures an engine: the block an engine starts in hides torchrun's value from vLLM and gives it back
+    after, and a value vLLM set where torchrun set none does not stay (a learner or a test that later reads
+    it would count one local process)."""
+    import os
+
+    from anytime.rollout.engines.vllm.process import launcher_env_hidden
+
+    if torchrun_value is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", torchrun_value)
+    with launcher_env_hidden():
+        assert "LOCAL_WORLD_SIZE" not in os.environ      # the engine does not take itself for a learner rank
+        os.environ["LOCAL_WORLD_SIZE"] = "1"             # what vLLM's CpuPlatform.check_and_update_config does
+    assert os.environ.get("LOCAL_WORLD_SIZE") == torchrun_value
 
 
 def test_weight_group_address_is_the_one_ray_advertises_not_the_hosts_loopback_name(monkeypatch):

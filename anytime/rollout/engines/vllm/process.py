@@ -29,7 +29,9 @@ def launcher_env_hidden(ipc_dir: str | None = None, extra: dict[str, str] | None
     """Hide torchrun's variables from a child process started inside the block, and point vLLM's
     inter-process sockets and the child's temporary files (vLLM's rendezvous file, multiprocessing
     folders) at `ipc_dir`: a killed child leaves them there, where the watchdog deletes them. `extra`
-    variables are set for the child alone."""
+    variables are set for the child alone. After the block these variables are as they were before it,
+    also where vLLM set one inside it (its CPU platform sets LOCAL_WORLD_SIZE to the engine's tensor-parallel
+    size in the process that configures an engine)."""
     pointed = {RPC_PATH: ipc_dir, "TMPDIR": ipc_dir} if ipc_dir is not None else {}
     pointed.update(extra or {})
     saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, *pointed) if k in os.environ}
@@ -37,7 +39,7 @@ def launcher_env_hidden(ipc_dir: str | None = None, extra: dict[str, str] | None
     try:
         yield
     finally:
-        for k in pointed:
+        for k in (*LAUNCHER_ENV, *pointed):
             os.environ.pop(k, None)
         os.environ.update(saved)
 

